@@ -1,0 +1,65 @@
+"""The base class of every component, and the kinds of component there are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Options(BaseModel):
+    """Base for a component's options. Unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Component:
+    """A named, configurable piece a plan can select with ``use = "<name>"``.
+
+    Subclasses set ``name`` and, when they take options, ``Options`` (a pydantic model).
+    The core validates the plan's section against ``Options`` and passes the result to
+    ``__init__``. Import heavy libraries (torch, transformers) inside methods, never at
+    module level, so listing and validating plugins stays fast.
+    """
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type[BaseModel]] = Options
+
+    def __init__(self, options: BaseModel | None = None):
+        self.options = options if options is not None else self.Options()
+
+    def check(self, plan: Any) -> list[str]:
+        """Cross-checks against the whole plan, before anything heavy runs.
+
+        Return problems as ``"key: message"`` strings relative to this component's
+        section; an empty list means fine.
+        """
+        return []
+
+    def inputs(self) -> list[Any]:
+        """Files this component reads, for the run manifest's sha256 list."""
+        return []
+
+
+@dataclass(frozen=True)
+class Kind:
+    id: str  # used in messages: "unknown trainer 'x'"
+    hook: str  # the registry hook that registers it
+    method: str  # the method every component of this kind must have
+    title: str  # plural heading for `ftcore plugins`
+
+
+KINDS: dict[str, Kind] = {
+    k.id: k
+    for k in (
+        Kind("model loader", "register_model_loaders", "load", "Model loaders"),
+        Kind("data source", "register_data_sources", "load", "Data sources"),
+        Kind("chat template", "register_chat_templates", "render", "Chat templates"),
+        Kind("adapter", "register_adapters", "apply", "Adapters"),
+        Kind("quantizer", "register_quantizers", "load_kwargs", "Quantizers"),
+        Kind("trainer", "register_trainers", "train", "Trainers"),
+        Kind("evaluator", "register_evaluators", "evaluate", "Evaluators"),
+        Kind("exporter", "register_exporters", "export", "Exporters"),
+    )
+}

@@ -1,0 +1,104 @@
+"""What the runner hands to components. Plain dataclasses: no torch here.
+
+Fields typed ``Any`` hold torch/transformers/datasets objects that the core only passes
+along.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .reporter import Reporter
+
+
+@dataclass
+class RunInfo:
+    """The run as lifecycle hooks see it."""
+
+    plan: Plan
+    run_dir: Path
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass
+class LoadContext:
+    """For ``ModelLoader.load``: return ``(model, tokenizer)``."""
+
+    run: RunInfo
+    reporter: Reporter
+    quantizer: Any  # the plan's quantizer component: use load_kwargs() and prepare(model)
+    seed: int
+    work_dir: Path  # a folder in the run directory for the loader's own files (e.g. a trained tokenizer)
+    data: Callable[[str], Any]  # data(name) loads the plan's [data.<name>] (cached), e.g. to train a tokenizer
+
+
+@dataclass
+class DataContext:
+    """For ``DataSource.load``: return a ``datasets.Dataset`` in the internal schema."""
+
+    run: RunInfo
+    reporter: Reporter
+    name: str  # the plan's name for this data, e.g. "chat" for [data.chat]
+
+
+@dataclass
+class AdapterContext:
+    run: RunInfo
+    reporter: Reporter
+    quantizer: Any
+
+
+@dataclass
+class StageContext:
+    """For ``Trainer.train``. The trainer trains ``model`` in place (or replaces it) and
+    returns its final metrics."""
+
+    run: RunInfo
+    reporter: Reporter
+    stage: str
+    model: Any
+    tokenizer: Any
+    template: Any  # the chat template component
+    train_data: Any  # datasets.Dataset, internal schema
+    eval_data: Any | None
+    output_dir: Path  # the stage's folder
+    checkpoint_dir: Path  # where to save resumable checkpoints
+    resume_from: Path | None  # the checkpoint to continue from, when resuming
+    seed: int
+
+
+@dataclass
+class EvalContext:
+    """For ``Evaluator.evaluate``: return ``{metric: value}``."""
+
+    run: RunInfo
+    reporter: Reporter
+    phase: str  # "before" or "after" training
+    model: Any
+    tokenizer: Any
+    template: Any
+    data: Any | None  # datasets.Dataset, internal schema, when the evaluation names data
+    output_dir: Path  # for the evaluator's own files (predictions, ...)
+
+
+@dataclass
+class ExportContext:
+    """For ``Exporter.export``: write under ``path`` and return the main artifact path."""
+
+    run: RunInfo
+    reporter: Reporter
+    model: Any
+    tokenizer: Any
+    template: Any
+    adapter: Any | None  # the adapter component whose weights are live on ``model``, if any
+    path: Path

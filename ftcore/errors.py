@@ -1,0 +1,45 @@
+"""User-facing errors. Each one renders as a single actionable line."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FtcoreError(Exception):
+    """An error the user can fix (plan, data, plugin). The CLI prints it in one line and exits 2."""
+
+    exit_code = 2
+
+
+class PlanError(FtcoreError):
+    """One or more problems in a plan. ``problems`` holds one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class PluginError(FtcoreError):
+    """A plugin failed to load, registered badly, or clashed with another plugin."""
+
+
+class ComponentError(Exception):
+    """A component raised while running. Not the user's input; exits 1."""
+
+    exit_code = 1
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """Return ``"; did you mean 'x'?"`` for the closest choice, or an empty string."""
+    choices = sorted(set(choices))
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def unknown_choice(what: str, word: str, choices: Iterable[str]) -> str:
+    """``unknown trainer 'sfft'; did you mean 'sft'? Available: pretrain, sft``"""
+    choices = sorted(set(choices))
+    available = ", ".join(choices) if choices else "none installed"
+    hint = did_you_mean(word, choices)
+    return f"unknown {what} {word!r}{hint} {'Available' if hint else '; available'}: {available}".replace(" ;", ";")

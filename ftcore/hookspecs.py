@@ -1,0 +1,141 @@
+"""The hooks third-party plugins implement.
+
+There is one registry hook per kind of component, in the callback style of simonw/llm:
+the hook receives ``register`` and calls it once per component class. A handful of
+lifecycle hooks let trackers and notifiers observe a run without being a component.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("ftcore")
+
+Register = Callable[[type], None]
+
+
+@hookspec
+def register_model_loaders(register: Register) -> None:
+    """Register model loaders: components that produce a model and its tokenizer.
+
+    :param register: call ``register(cls)`` for each loader class. The class has a
+        ``name``, an ``Options`` pydantic model, and ``load(ctx) -> (model, tokenizer)``.
+    """
+
+
+@hookspec
+def register_data_sources(register: Register) -> None:
+    """Register data sources: components that read rows into the internal schema.
+
+    :param register: call ``register(cls)`` for each source class, with ``name``,
+        ``Options`` and ``load(ctx) -> datasets.Dataset``.
+    """
+
+
+@hookspec
+def register_chat_templates(register: Register) -> None:
+    """Register chat templates: components that turn messages into text.
+
+    :param register: call ``register(cls)`` for each template class, with ``name``,
+        ``Options`` and ``render(messages, tokenizer, add_generation_prompt) -> str``.
+    """
+
+
+@hookspec
+def register_adapters(register: Register) -> None:
+    """Register adapter methods (LoRA, full fine-tuning, ...).
+
+    :param register: call ``register(cls)`` for each adapter class, with ``name``,
+        ``Options`` and ``apply(model, ctx) -> model``.
+    """
+
+
+@hookspec
+def register_quantizers(register: Register) -> None:
+    """Register quantizers, which change how the base model is loaded.
+
+    :param register: call ``register(cls)`` for each quantizer class, with ``name``,
+        ``Options``, ``load_kwargs() -> dict`` and ``prepare(model) -> model``.
+    """
+
+
+@hookspec
+def register_trainers(register: Register) -> None:
+    """Register trainers (SFT, pre-training, DPO, ...), one per ``[[stage]]`` kind.
+
+    :param register: call ``register(cls)`` for each trainer class, with ``name``,
+        ``Options`` and ``train(ctx) -> dict`` of final metrics.
+    """
+
+
+@hookspec
+def register_evaluators(register: Register) -> None:
+    """Register evaluators, which measure a model before and after training.
+
+    :param register: call ``register(cls)`` for each evaluator class, with ``name``,
+        ``Options`` and ``evaluate(ctx) -> dict[str, float]``.
+    """
+
+
+@hookspec
+def register_exporters(register: Register) -> None:
+    """Register exporters, which write the trained model somewhere other tools can load it.
+
+    :param register: call ``register(cls)`` for each exporter class, with ``name``,
+        ``Options`` and ``export(ctx) -> pathlib.Path``.
+    """
+
+
+@hookspec
+def ftcore_run_start(run: Any) -> None:
+    """Called once a run directory is ready, before any model is loaded.
+
+    :param run: the :class:`ftcore.context.RunInfo` of this run (plan, run_dir, rank).
+    """
+
+
+@hookspec
+def ftcore_stage_start(run: Any, stage: str) -> None:
+    """Called before each step of a run: ``load``, ``evaluate:before``, each
+    training stage by name, ``evaluate:after`` and ``export``.
+
+    :param run: the :class:`ftcore.context.RunInfo` of this run.
+    :param stage: the step's name.
+    """
+
+
+@hookspec
+def ftcore_stage_end(run: Any, stage: str, metrics: dict[str, Any], seconds: float) -> None:
+    """Called after each step of a run finished successfully.
+
+    :param run: the :class:`ftcore.context.RunInfo` of this run.
+    :param stage: the step's name, as given to ``ftcore_stage_start``.
+    :param metrics: the step's final metrics (may be empty).
+    :param seconds: wall time the step took.
+    """
+
+
+@hookspec
+def ftcore_log(run: Any, stage: str, step: int | None, metrics: dict[str, float]) -> None:
+    """Called for every metrics record; implement it to send metrics to a tracker.
+
+    The same records go to ``metrics.jsonl`` in the run directory. Only the main
+    process (rank 0) calls it.
+
+    :param run: the :class:`ftcore.context.RunInfo` of this run.
+    :param stage: the step that produced the metrics.
+    :param step: the optimizer step, or ``None`` for one-off measurements.
+    :param metrics: name to value.
+    """
+
+
+@hookspec
+def ftcore_run_end(run: Any, error: BaseException | None) -> None:
+    """Called when a run ends, successfully or not.
+
+    :param run: the :class:`ftcore.context.RunInfo` of this run.
+    :param error: the exception that ended the run, or ``None`` on success.
+    """

@@ -1,0 +1,395 @@
+"""The typed plan: a TOML file, checked whole against the installed components.
+
+Every problem is collected and reported at once, one line each, as
+``<file>: <key path>: <what is wrong>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import PlanError, did_you_mean, unknown_choice
+from .registry import Registration, Registry
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "stage", "evaluate", "export")
+RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
+STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
+EVALUATE_KEYS = ("name", "use", "data", "when")
+EXPORT_KEYS = ("name", "use", "path")
+WHEN = ("before", "after", "both")
+DEFAULTS = {"quantizer": "none", "template": "native", "adapter": "full"}
+_SECRET = re.compile(r"token|secret|password|passwd|api[_-]?key|credential", re.I)
+
+
+@dataclass
+class Selected:
+    """A component the plan selected, with its validated options."""
+
+    key: str  # key path in the plan, for messages: "stage[0]", "data.chat"
+    reg: Registration
+    options: BaseModel
+    raw: dict[str, Any] = field(default_factory=dict)  # the section as written, for identity
+
+    def create(self) -> Any:
+        return self.reg.cls(self.options)
+
+    @property
+    def name(self) -> str:
+        return self.reg.name
+
+
+@dataclass
+class Stage:
+    index: int
+    name: str
+    trainer: Selected
+    data: str
+    eval_data: str | None
+    adapter: Selected
+
+
+@dataclass
+class Evaluation:
+    name: str
+    evaluator: Selected
+    data: str | None
+    when: str
+
+
+@dataclass
+class Export:
+    name: str
+    exporter: Selected
+    path: Path | None
+
+
+@dataclass
+class Plan:
+    path: Path
+    raw: dict[str, Any]
+    run_name: str
+    seed: int
+    output_dir: Path
+    requires: list[str]
+    model: Selected
+    quantizer: Selected
+    template: Selected
+    data: dict[str, Selected]
+    stages: list[Stage]
+    evaluations: list[Evaluation]
+    exports: list[Export]
+
+    @property
+    def base_dir(self) -> Path:
+        return self.path.parent
+
+    @property
+    def run_dir(self) -> Path:
+        return self.output_dir / self.run_name
+
+    def redacted(self) -> dict[str, Any]:
+        """The plan as written, with anything that looks like a secret replaced."""
+        return _redact(self.raw)
+
+    def fingerprint(self) -> str:
+        """Identity of the plan's content, ignoring formatting and comments."""
+        blob = json.dumps(self.raw, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+def read_toml(path: Path, shown: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PlanError([f"{shown}: no such plan file"]) from None
+    except UnicodeDecodeError as exc:
+        raise PlanError([f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    except OSError as exc:
+        raise PlanError([f"{shown}: cannot read plan: {exc.strerror}"]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        # Python < 3.14 has no exc.lineno; the position is at the end of the message.
+        msg = str(exc)
+        where = re.search(r"\s*\(at line (\d+), column (\d+)\)$", msg)
+        line = int(where.group(1)) if where else None
+        if where:
+            msg = f"{msg[: where.start()]} (column {where.group(2)})"
+        where = f"{shown}:{line}" if line else shown
+        raise PlanError([f"{where}: invalid TOML: {msg}"]) from None
+
+
+def load_plan(path: str | Path, registry: Registry) -> Plan:
+    """Read and check a plan. Raises :class:`PlanError` listing every problem."""
+    shown = str(path)
+    path = Path(path).expanduser().resolve()
+    raw = read_toml(path, shown)
+    checker = _Checker(shown, path.parent, registry)
+    plan = checker.check(raw, path)
+    if checker.problems:
+        raise PlanError(checker.problems)
+    assert plan is not None
+    return plan
+
+
+class _Checker:
+    def __init__(self, shown: str, base_dir: Path, registry: Registry):
+        self.shown = shown
+        self.base_dir = base_dir
+        self.registry = registry
+        self.problems: list[str] = []
+
+    def problem(self, key: str, message: str) -> None:
+        self.problems.append(f"{self.shown}: {key}: {message}" if key else f"{self.shown}: {message}")
+
+    # -- structure ---------------------------------------------------------------------
+    def table(self, raw: dict, key: str, required: bool = False) -> dict | None:
+        value = raw.get(key)
+        if value is None:
+            if required:
+                self.problem(key, f"missing required table [{key}]")
+            return None
+        if not isinstance(value, dict):
+            self.problem(key, f"must be a table ([{key}]), got {_type(value)}")
+            return None
+        return value
+
+    def tables(self, raw: dict, key: str) -> list[dict]:
+        value = raw.get(key, [])
+        if isinstance(value, dict):
+            value = [value]  # [export] written once instead of [[export]]
+        if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+            self.problem(key, f"must be an array of tables ([[{key}]]), got {_type(value)}")
+            return []
+        return value
+
+    def string(self, section: dict, key: str, path: str, required: bool = False) -> str | None:
+        value = section.get(key)
+        if value is None:
+            if required:
+                self.problem(path, "missing required key")
+            return None
+        if not isinstance(value, str) or not value:
+            self.problem(path, f"must be a non-empty string, got {_type(value)}")
+            return None
+        return value
+
+    # -- components --------------------------------------------------------------------
+    def component(self, kind: str, key: str, section: dict | str | None, core_keys: tuple = ("use",),
+                  name_key: str = "use", default: str | None = None) -> Selected | None:
+        if isinstance(section, str):  # shorthand: adapter = "full"
+            section = {name_key: section}
+        section = dict(section or {})
+        if name_key not in section and default is not None:
+            section[name_key] = default
+        name = self.string(section, name_key, f"{key}.{name_key}", required=True)
+        if name is None:
+            return None
+        try:
+            reg = self.registry.resolve(kind, name)
+        except LookupError as exc:
+            self.problem(f"{key}.{name_key}", str(exc))
+            return None
+        options_raw = {k: v for k, v in section.items() if k not in core_keys}
+        options = self.options(reg, key, options_raw, core_keys)
+        if options is None:
+            return None
+        return Selected(key, reg, options, section)
+
+    def options(self, reg: Registration, key: str, raw: dict, core_keys: tuple) -> BaseModel | None:
+        model: type[BaseModel] = reg.cls.Options
+        fields = set()
+        for fname, finfo in model.model_fields.items():
+            fields.add(finfo.alias or fname)
+        bad = False
+        for k in raw:
+            if k not in fields:
+                valid = sorted(fields | set(core_keys))
+                self.problem(f"{key}.{k}", _unknown_key(f"unknown key for {reg.kind} '{reg.name}'", k, valid))
+                bad = True
+        if bad:
+            return None
+        try:
+            return model.model_validate(raw, context={"base_dir": self.base_dir})
+        except ValidationError as exc:
+            for err in exc.errors():
+                loc = ".".join(str(p) for p in err["loc"])
+                self.problem(f"{key}.{loc}" if loc else key, _pydantic_message(err))
+            return None
+
+    # -- the plan ----------------------------------------------------------------------
+    def check(self, raw: dict, path: Path) -> Plan | None:
+        for k in raw:
+            if k not in TOP_LEVEL:
+                self.problem(k, _unknown_key("unknown top-level key", k, TOP_LEVEL))
+
+        requires = self.requires(raw.get("requires", []))
+
+        run = self.table(raw, "run") or {}
+        for k, v in run.items():
+            if k not in RUN_KEYS:
+                self.problem(f"run.{k}", _unknown_key("unknown key", k, RUN_KEYS))
+            elif not isinstance(v, RUN_KEYS[k]) or isinstance(v, bool):
+                self.problem(f"run.{k}", f"must be {RUN_KEYS[k].__name__}, got {_type(v)}")
+        run_name = run.get("name") if isinstance(run.get("name"), str) else path.stem
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", run_name or ""):
+            self.problem("run.name", f"{run_name!r} is not a usable folder name (letters, digits, '_', '-', '.')")
+        seed = run.get("seed", 42) if isinstance(run.get("seed", 42), int) else 42
+        output_dir = Path(run["output_dir"]) if isinstance(run.get("output_dir"), str) else Path("runs")
+        output_dir = (self.base_dir / output_dir.expanduser()).resolve()
+
+        model = self.component("model loader", "model", self.table(raw, "model", required=True) if "model" in raw
+                               else self._missing("model"))
+        quantizer = self.component("quantizer", "quantizer", raw.get("quantizer"), default=DEFAULTS["quantizer"])
+        template = self.component("chat template", "template", raw.get("template"), default=DEFAULTS["template"])
+        default_adapter = raw.get("adapter", DEFAULTS["adapter"])
+        if not isinstance(default_adapter, (str, dict)):
+            self.problem("adapter", f"must be a table or a name, got {_type(default_adapter)}")
+            default_adapter = DEFAULTS["adapter"]
+
+        data: dict[str, Selected] = {}
+        for name, section in (self.table(raw, "data") or {}).items():
+            if not isinstance(section, dict):
+                self.problem(f"data.{name}", f"must be a table ([data.{name}]), got {_type(section)}")
+                continue
+            sel = self.component("data source", f"data.{name}", section)
+            if sel:
+                data[name] = sel
+        data_names = set(self.table(raw, "data") or {})
+
+        def data_ref(section: dict, key: str, path: str, required: bool) -> str | None:
+            ref = self.string(section, key, path, required)
+            if ref is not None and ref not in data_names:
+                self.problem(path, unknown_choice("data", ref, data_names).replace("unknown data", "undefined data")
+                             + (" (define it as [data.%s])" % ref))
+            return ref
+
+        stages: list[Stage] = []
+        seen: set[str] = set()
+        for i, section in enumerate(self.tables(raw, "stage")):
+            key = f"stage[{i}]"
+            trainer = self.component("trainer", key, section, core_keys=STAGE_KEYS, name_key="trainer")
+            name = section.get("name") or f"{i}-{section.get('trainer', 'stage')}"
+            if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", name):
+                self.problem(f"{key}.name", f"{name!r} is not a usable folder name")
+            elif name in seen:
+                self.problem(f"{key}.name", f"duplicate stage name {name!r}")
+            seen.add(str(name))
+            ref = data_ref(section, "data", f"{key}.data", required=True)
+            eval_ref = data_ref(section, "eval_data", f"{key}.eval_data", required=False)
+            adapter_section = section.get("adapter", default_adapter)
+            adapter = self.component("adapter", f"{key}.adapter", adapter_section, default=DEFAULTS["adapter"]) \
+                if isinstance(adapter_section, (str, dict)) else None
+            if trainer and adapter and ref:
+                stages.append(Stage(i, str(name), trainer, ref, eval_ref, adapter))
+
+        evaluations: list[Evaluation] = []
+        for i, section in enumerate(self.tables(raw, "evaluate")):
+            key = f"evaluate[{i}]"
+            ev = self.component("evaluator", key, section, core_keys=EVALUATE_KEYS)
+            ref = data_ref(section, "data", f"{key}.data", required=False)
+            when = section.get("when", "both")
+            if when not in WHEN:
+                self.problem(f"{key}.when", f"must be one of {', '.join(WHEN)}, got {when!r}")
+            name = section.get("name") or (ev.name if ev else "")
+            if ev:
+                evaluations.append(Evaluation(str(name), ev, ref, when))
+        names = [e.name for e in evaluations]
+        for i, n in enumerate(names):
+            if names.count(n) > 1 and names.index(n) == i:
+                self.problem("evaluate", f"two evaluations are named {n!r}; give each a distinct 'name'")
+
+        exports: list[Export] = []
+        for i, section in enumerate(self.tables(raw, "export")):
+            key = f"export[{i}]"
+            ex = self.component("exporter", key, section, core_keys=EXPORT_KEYS)
+            out = section.get("path")
+            if out is not None and not isinstance(out, str):
+                self.problem(f"{key}.path", f"must be a string, got {_type(out)}")
+                out = None
+            name = section.get("name") or (ex.name if ex else "")
+            if ex:
+                exports.append(Export(str(name), ex, (self.base_dir / out).resolve() if out else None))
+
+        if self.problems or model is None or quantizer is None or template is None:
+            return None
+        plan = Plan(path, raw, run_name, seed, output_dir, requires, model, quantizer, template, data,
+                    stages, evaluations, exports)
+        # Cross-checks a component makes against the whole plan (cheap: nothing is loaded).
+        for sel in [model, quantizer, template, *data.values(), *(s.trainer for s in stages),
+                    *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
+                    *(e.exporter for e in exports)]:
+            for msg in sel.create().check(plan):
+                self.problem(sel.key, msg)
+        return plan
+
+    def _missing(self, key: str) -> None:
+        self.problem(key, f"missing required table [{key}]")
+        return None
+
+    def requires(self, value: Any) -> list[str]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            self.problem("requires", f"must be a list of requirement strings, got {_type(value)}")
+            return []
+        from importlib.metadata import PackageNotFoundError, version
+
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        for i, text in enumerate(value):
+            try:
+                req = Requirement(text)
+            except InvalidRequirement as exc:
+                self.problem(f"requires[{i}]", f"not a valid requirement {text!r}: {exc}")
+                continue
+            try:
+                have = version(req.name)
+            except PackageNotFoundError:
+                self.problem(f"requires[{i}]", f"{req.name} is not installed; install it with: pip install '{text}'")
+                continue
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                self.problem(f"requires[{i}]", f"{req.name} {have} is installed but the plan needs '{text}'; "
+                                               f"upgrade with: pip install '{text}'")
+        return list(value)
+
+
+def _unknown_key(what: str, key: str, valid: Any) -> str:
+    hint = did_you_mean(key, valid)
+    return f"{what}{hint} {'Valid' if hint else '; valid'} keys: {', '.join(sorted(valid))}".replace(" ;", ";")
+
+
+def _type(value: Any) -> str:
+    return {dict: "a table", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+            float: "a float"}.get(type(value), type(value).__name__)
+
+
+def _pydantic_message(err: dict) -> str:
+    kind = err.get("type", "")
+    if kind == "missing":
+        return "missing required key"
+    msg = err.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if "input" in err and kind not in ("missing",) and not isinstance(err["input"], dict):
+        return f"{msg[0].lower()}{msg[1:]} (got {err['input']!r})"
+    return f"{msg[0].lower()}{msg[1:]}"
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: ("***" if _SECRET.search(k) and v else _redact(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value

@@ -1,0 +1,218 @@
+"""The plugin manager: built-in plugins, entry-point plugins, and the component registry.
+
+Nothing here runs at import time; call :func:`get_plugin_manager`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pluggy
+
+from . import __version__, hookspecs
+from .component import KINDS
+from .errors import did_you_mean
+from .registry import Registration, Registry
+
+ENTRY_POINT_GROUP = "ftcore"
+
+# Registered by module path, through the same hooks a third party uses.
+BUILTIN_PLUGINS = (
+    "ftcore_plugins.model_hf",
+    "ftcore_plugins.model_scratch",
+    "ftcore_plugins.data_jsonl",
+    "ftcore_plugins.template_chatml",
+    "ftcore_plugins.template_native",
+    "ftcore_plugins.adapter_lora",
+    "ftcore_plugins.adapter_full",
+    "ftcore_plugins.quantizer_none",
+    "ftcore_plugins.trainer_sft",
+    "ftcore_plugins.trainer_pretrain",
+    "ftcore_plugins.eval_perplexity",
+    "ftcore_plugins.eval_exact_match",
+    "ftcore_plugins.export_adapter",
+    "ftcore_plugins.export_merged",
+)
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    dist: str
+    version: str
+    source: str  # "builtin" or "entry point"
+
+
+class PluginManager(pluggy.PluginManager):
+    """A pluggy manager that remembers where each plugin came from and what failed."""
+
+    def __init__(self) -> None:
+        super().__init__("ftcore")
+        self.add_hookspecs(hookspecs)
+        self.infos: dict[str, PluginInfo] = {}
+        self.failures: list[str] = []
+        self._registry: Registry | None = None
+
+    def add_plugin(self, obj: object, info: PluginInfo) -> None:
+        try:
+            self.register(obj, name=info.name)
+        except Exception as exc:  # pluggy validates hook signatures here
+            self.failures.append(f"{_who(info)} is not a valid plugin: {_one_line(exc)}")
+            return
+        self.infos[info.name] = info
+
+    def check_pending(self) -> None:
+        """Unregister, and report, each plugin that implements a hook that does not exist."""
+        specs = [n for n in dir(self.hook) if n.startswith(("register_", "ftcore_"))]
+        while True:
+            try:
+                super().check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                name = self.get_name(exc.plugin) or repr(exc.plugin)
+                info = self.infos.pop(name, PluginInfo(name, "?", "?", "?"))
+                bad = [
+                    n for n in dir(self.hook)
+                    if not n.startswith("_")
+                    and not getattr(self.hook, n).has_spec()
+                    and any(i.plugin is exc.plugin for i in getattr(self.hook, n).get_hookimpls())
+                ]
+                hints = "; ".join(f"unknown hook '{b}'{did_you_mean(b, specs)}" for b in bad)
+                self.unregister(exc.plugin)
+                self.failures.append(f"{_who(info)} was not loaded: {hints or _one_line(exc)}")
+
+    def registry(self) -> Registry:
+        """Collect every component, calling each plugin's registry hook on its own so a
+        failure is attributed to the plugin that caused it."""
+        if self._registry is not None:
+            return self._registry
+        from pydantic import BaseModel
+
+        registry = Registry()
+        for kind in KINDS.values():
+            for impl in getattr(self.hook, kind.hook).get_hookimpls():
+                info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
+
+                def register(cls: type, _kind=kind, _info=info) -> None:
+                    problem = _check_component(cls, _kind.method, BaseModel)
+                    if problem:
+                        registry.problems.append(f"{_who(_info)} registered an invalid {_kind.id}: {problem}")
+                        return
+                    registry.add(Registration(_kind.id, cls.name, cls, _info.name, _info.dist, _info.version))
+
+                try:
+                    impl.function(register=register)
+                except Exception as exc:
+                    registry.problems.append(f"{_who(info)} failed in {kind.hook}: {_one_line(exc)}")
+        registry.problems[:0] = self.failures
+        self._registry = registry
+        return registry
+
+
+def get_plugin_manager(
+    *, builtins: bool = True, entry_points: bool = True, env: Mapping[str, str] | None = None
+) -> PluginManager:
+    """Build a fresh plugin manager with the built-in and installed plugins.
+
+    ``FTCORE_LOAD_PLUGINS`` (comma-separated entry-point or distribution names) loads
+    only those third-party plugins; ``FTCORE_DISABLE_PLUGINS`` skips the ones named,
+    built-in module paths included.
+    """
+    env = os.environ if env is None else env
+    allow = _name_set(env.get("FTCORE_LOAD_PLUGINS"))
+    block = _name_set(env.get("FTCORE_DISABLE_PLUGINS")) or set()
+    pm = PluginManager()
+
+    if builtins:
+        _ensure_builtin_package()
+        for module_name in BUILTIN_PLUGINS:
+            if module_name in block or module_name.rsplit(".", 1)[-1] in block:
+                continue
+            info = PluginInfo(module_name, "ftcore", __version__, "builtin")
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                pm.failures.append(f"{_who(info)} failed to import: {_one_line(exc)}")
+                continue
+            pm.add_plugin(module, info)
+
+    if entry_points:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist else "?"
+            version = ep.dist.version if ep.dist else "?"
+            names = {ep.name, dist, _normalize(dist)}
+            if allow is not None and not names & allow:
+                continue
+            if names & block:
+                continue
+            info = PluginInfo(ep.name, dist, version, "entry point")
+            if pm.has_plugin(ep.name):
+                pm.failures.append(f"{_who(info)} was not loaded: another plugin is already named '{ep.name}'")
+                continue
+            try:
+                obj = ep.load()
+            except Exception as exc:
+                pm.failures.append(f"{_who(info)} failed to import ({ep.value}): {_one_line(exc)}")
+                continue
+            pm.add_plugin(obj, info)
+
+    pm.check_pending()
+    return pm
+
+
+def _check_component(cls: object, method: str, base_model: type) -> str | None:
+    if not inspect.isclass(cls):
+        return f"expected a class, got {cls!r}"
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        return f"{cls.__qualname__} has no 'name'"
+    if not callable(getattr(cls, method, None)):
+        return f"{cls.__qualname__} ('{name}') has no '{method}' method"
+    options = getattr(cls, "Options", None)
+    if not (inspect.isclass(options) and issubclass(options, base_model)):
+        return f"{cls.__qualname__} ('{name}') has no pydantic 'Options' model"
+    return None
+
+
+def _ensure_builtin_package() -> None:
+    """Make ``ftcore_plugins`` importable from a plain source checkout (no install)."""
+    if "ftcore_plugins" in sys.modules or importlib.util.find_spec("ftcore_plugins") is not None:
+        return
+    folder = Path(__file__).resolve().parent.parent / "plugins"
+    spec = importlib.util.spec_from_file_location(
+        "ftcore_plugins", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ftcore_plugins"] = module
+    spec.loader.exec_module(module)
+
+
+def _who(info: PluginInfo) -> str:
+    return f"plugin '{info.name}' ({info.dist} {info.version})"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _name_set(value: str | None) -> set[str] | None:
+    if value is None:
+        return None
+    return {_normalize(v.strip()) for v in value.split(",") if v.strip()} | {
+        v.strip() for v in value.split(",") if v.strip()
+    }

@@ -1,0 +1,99 @@
+"""Which components are installed, who provided them, and name resolution."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .component import KINDS
+from .errors import unknown_choice
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+@dataclass(frozen=True)
+class Registration:
+    kind: str
+    name: str
+    cls: type
+    plugin: str  # plugin name in the plugin manager (module path or entry-point name)
+    dist: str  # distribution that provided the plugin
+    version: str
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.dist}:{self.name}"
+
+    @property
+    def description(self) -> str:
+        doc = (self.cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+    def who(self) -> str:
+        return f"plugin '{self.plugin}' ({self.dist} {self.version})"
+
+
+@dataclass
+class Registry:
+    """All registered components, by kind and name.
+
+    Two plugins may register the same name; that is an error only when a plan uses
+    the bare name. The qualified ``dist:name`` always picks one.
+    """
+
+    entries: dict[str, dict[str, list[Registration]]] = field(
+        default_factory=lambda: {k: {} for k in KINDS}
+    )
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, reg: Registration) -> None:
+        if not _NAME.match(reg.name):
+            self.problems.append(
+                f"{reg.who()} registered a {reg.kind} with an invalid name {reg.name!r} "
+                "(use letters, digits, '_', '-', '.')"
+            )
+            return
+        same = self.entries[reg.kind].setdefault(reg.name, [])
+        if any(r.plugin == reg.plugin for r in same):
+            self.problems.append(f"{reg.who()} registered the {reg.kind} '{reg.name}' twice")
+            return
+        same.append(reg)
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.entries[kind])
+
+    def all(self, kind: str) -> list[Registration]:
+        return [r for name in self.names(kind) for r in self.entries[kind][name]]
+
+    def conflicts(self) -> list[str]:
+        out = []
+        for kind, by_name in self.entries.items():
+            for name, regs in sorted(by_name.items()):
+                if len(regs) > 1:
+                    out.append(_clash(kind, name, regs))
+        return out
+
+    def resolve(self, kind: str, name: str) -> Registration:
+        """Find the component a plan names, or raise ``LookupError`` with a one-line reason."""
+        by_name = self.entries[kind]
+        if ":" in name:
+            dist, _, bare = name.partition(":")
+            for reg in by_name.get(bare, []):
+                if reg.dist == dist or reg.plugin == dist:
+                    return reg
+            providers = sorted(r.qualified for r in by_name.get(bare, []))
+            if providers:
+                raise LookupError(f"no {kind} {name!r}; '{bare}' is provided by: {', '.join(providers)}")
+            raise LookupError(unknown_choice(kind, bare, by_name))
+        regs = by_name.get(name)
+        if not regs:
+            raise LookupError(unknown_choice(kind, name, by_name))
+        if len(regs) > 1:
+            raise LookupError(_clash(kind, name, regs))
+        return regs[0]
+
+
+def _clash(kind: str, name: str, regs: list[Registration]) -> str:
+    who = " and ".join(r.who() for r in regs)
+    pick = " or ".join(f"'{r.qualified}'" for r in regs)
+    return f"{kind} '{name}' is registered by both {who}; choose one explicitly: {pick}"

@@ -1,0 +1,83 @@
+"""Console output, progress bars and metrics records for a run.
+
+Only rank 0 writes files or draws; other ranks get a reporter that stays quiet, so
+the same code runs under torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ftcore")
+
+
+class Progress:
+    """A handle on one progress bar."""
+
+    def __init__(self, bar: Any | None, task: Any | None):
+        self._bar, self._task = bar, task
+
+    def advance(self, n: float = 1) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task, n)
+
+    def update(self, completed: float | None = None, total: float | None = None, **fields: Any) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=completed, total=total, **fields)
+
+
+class Reporter:
+    def __init__(self, console: Any | None, metrics_path: Path | None, hook: Any | None, run: Any | None):
+        self.console = console  # a rich Console, or None on non-main ranks
+        self.metrics_path = metrics_path
+        self._hook = hook
+        self._run = run
+
+    def info(self, message: str) -> None:
+        log.info(message)
+        if self.console is not None:
+            self.console.print(message, highlight=False)
+
+    def warn(self, message: str) -> None:
+        log.warning(message)
+        if self.console is not None:
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+
+    def log(self, stage: str, metrics: dict[str, Any], step: int | None = None) -> None:
+        """Record metrics: one line in metrics.jsonl and a ``ftcore_log`` hook call."""
+        clean = {k: _number(v) for k, v in metrics.items()}
+        if self.metrics_path is not None:
+            record = {"time": round(time.time(), 3), "stage": stage, "step": step, **clean}
+            with self.metrics_path.open("a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if self._hook is not None:
+            self._hook.ftcore_log(run=self._run, stage=stage, step=step, metrics=clean)
+
+    @contextlib.contextmanager
+    def progress(self, description: str, total: float | None) -> Iterator[Progress]:
+        if self.console is None:
+            yield Progress(None, None)
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[note]}")]
+        with RichProgress(*columns, console=self.console, transient=False) as bar:
+            task = bar.add_task(description, total=total, note="")
+            yield Progress(bar, task)
+
+
+def _number(v: Any) -> Any:
+    if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
+        return str(v)
+    if hasattr(v, "item"):  # a 0-d tensor or numpy scalar
+        return v.item()
+    return v

@@ -1,0 +1,118 @@
+"""The run directory: manifest, completion markers, and the rules that protect it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import FtcoreError
+
+MANIFEST = "manifest.json"
+COMPLETE = "COMPLETE.json"
+KEY_PACKAGES = ("torch", "transformers", "trl", "peft", "datasets", "accelerate", "tokenizers",
+                "safetensors", "bitsandbytes", "deepspeed", "pydantic", "pluggy", "rich")
+
+
+def prepare(run_dir: Path, fingerprint: str, resume: bool, force: bool) -> str:
+    """Check that ``run_dir`` may be used and create it. Returns a note for the user
+    ("" for a fresh run). Never deletes anything: ``force`` moves the old run aside."""
+    manifest = run_dir / MANIFEST
+    if not run_dir.exists():
+        run_dir.mkdir(parents=True)
+        return "resuming, but nothing to resume: starting fresh" if resume else ""
+    if not any(run_dir.iterdir()):
+        return ""
+    if force:
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        aside = run_dir.with_name(f"{run_dir.name}.{stamp}.old")
+        run_dir.rename(aside)
+        run_dir.mkdir()
+        return f"--force: moved the existing {run_dir} to {aside}"
+    if not manifest.exists():
+        raise FtcoreError(f"{run_dir}: folder exists and is not an ftcore run; "
+                          "set run.name or run.output_dir to another place, or pass --force to move it aside")
+    try:
+        previous = json.loads(manifest.read_text())
+    except (OSError, ValueError) as exc:
+        raise FtcoreError(f"{manifest}: unreadable manifest ({exc}); pass --force to move the run aside") from None
+    if previous.get("plan_fingerprint") != fingerprint:
+        raise FtcoreError(
+            f"{run_dir}: holds a run of a different plan ({previous.get('plan_path', '?')}, "
+            f"started {previous.get('started_at', '?')}); change run.name, or pass --force to move it aside"
+        )
+    if not resume:
+        state = previous.get("status", "unknown")
+        raise FtcoreError(f"{run_dir}: this plan already ran here (status: {state}); "
+                          "pass --resume to continue it, or --force to move it aside and start over")
+    return f"resuming the run in {run_dir}"
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def git_info(folder: Path) -> dict[str, Any] | None:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=folder, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=folder,
+                               capture_output=True, text=True, timeout=5)
+        return {"sha": sha.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def package_versions(extra: list[str] | None = None) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"ftcore": __version__, "python": platform.python_version()}
+    for name in (*KEY_PACKAGES, *(extra or [])):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {"platform": platform.platform(), "machine": platform.machine(),
+                            "cpu_count": os.cpu_count()}
+    try:
+        info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError, AttributeError):
+        pass
+    torch = sys.modules.get("torch")  # only report what is already loaded; never import it here
+    if torch is not None and torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically so a kill never leaves half a marker behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

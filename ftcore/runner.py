@@ -1,0 +1,378 @@
+"""The stage runner: plan -> model -> before-evaluation -> stages -> after-evaluation -> exports.
+
+The runner only calls components; every piece of ML lives in a plugin. Each step
+leaves a marker in the run directory so ``--resume`` can skip what is done and
+rebuild the model a later step needs from the saved stage outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import rundir
+from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
+from .errors import ComponentError, FtcoreError
+from .plan import Plan, Selected, Stage
+from .plugins import PluginManager
+from .reporter import Reporter
+
+log = logging.getLogger("ftcore")
+
+
+@dataclass
+class ModelState:
+    model: Any
+    tokenizer: Any
+    adapter: Selected | None  # the adapter whose weights are live on the model
+    adapter_from: int  # index of the stage where that adapter was first applied
+
+
+@dataclass
+class StepTime:
+    name: str
+    seconds: float
+    skipped: bool = False
+
+
+class Runner:
+    def __init__(self, plan: Plan, pm: PluginManager, console: Any, *, resume: bool = False, force: bool = False):
+        self.plan = plan
+        self.pm = pm
+        self.resume = resume
+        self.force = force
+        self.run_dir = plan.run_dir
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.info = RunInfo(plan, self.run_dir, rank, world)
+        self.console = console if self.info.is_main else None
+        self.reporter: Reporter | None = None
+        self.quantizer = plan.quantizer.create()
+        self.template = plan.template.create()
+        self._data: dict[str, Any] = {}
+        self._base: tuple[Any, Any] | None = None
+        self.steps: list[StepTime] = []
+        self.evaluations: dict[str, dict[str, Any]] = {}
+        self.stage_metrics: dict[str, dict[str, Any]] = {}
+        self.exports: dict[str, str] = {}
+
+    # -- paths ---------------------------------------------------------------------------
+    def stage_dir(self, stage: Stage) -> Path:
+        return self.run_dir / "stages" / stage.name
+
+    def export_path(self, export: Any) -> Path:
+        return export.path or self.run_dir / "exports" / export.name
+
+    # -- the run -------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        note = ""
+        if self.info.is_main:
+            self._check_exports_free()
+            note = rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
+        handler = self._log_to_file()
+        self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
+                                 self.pm.hook if self.info.is_main else None, self.info)
+        if note:
+            self.reporter.info(note)
+        manifest = self._write_manifest(status="running")
+        self.pm.hook.ftcore_run_start(run=self.info)
+        try:
+            self._steps()
+        except BaseException as exc:
+            if self.info.is_main:
+                status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+                rundir.write_json(self.run_dir / rundir.MANIFEST,
+                                  {**manifest, "status": status, "ended_at": rundir.now(), "error": str(exc)[:500]})
+            self.pm.hook.ftcore_run_end(run=self.info, error=exc)
+            logging.getLogger().removeHandler(handler)
+            raise
+        summary = self._summary()
+        if self.info.is_main:
+            rundir.write_json(self.run_dir / "summary.json", summary)
+            rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": "complete",
+                                                               "ended_at": rundir.now()})
+        self.pm.hook.ftcore_run_end(run=self.info, error=None)
+        logging.getLogger().removeHandler(handler)
+        return summary
+
+    def _steps(self) -> None:
+        plan = self.plan
+        done = [self._marker(s) for s in plan.stages]
+        # Stages complete in order; one after an unfinished stage is redone, whatever its marker says.
+        last_done = -1
+        while last_done + 1 < len(done) and done[last_done + 1]:
+            last_done += 1
+        before = self._phase_pending("before")
+        after = self._phase_pending("after")
+        exports = [e for e in plan.exports if not self._export_done(e)]
+        pending = plan.stages[last_done + 1:]
+        for stage in plan.stages[: last_done + 1]:
+            self.steps.append(StepTime(stage.name, 0.0, skipped=True))
+            self.stage_metrics[stage.name] = (done[stage.index] or {}).get("metrics", {})
+        if not (before or pending or after or exports):
+            self.reporter.info("nothing left to do: every stage, evaluation and export is complete")
+            return
+
+        if before:
+            model, tokenizer = self._load_base()
+            self._evaluate("before", model, tokenizer)
+        state = self._materialize(last_done)
+        for stage in pending:
+            state = self._train(stage, state)
+        if after:
+            self._evaluate("after", state.model, state.tokenizer)
+        for export in exports:
+            self._export(export, state)
+
+    # -- steps -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _step(self, name: str) -> Iterator[dict[str, Any]]:
+        self.pm.hook.ftcore_stage_start(run=self.info, stage=name)
+        start = time.perf_counter()
+        metrics: dict[str, Any] = {}
+        yield metrics
+        seconds = time.perf_counter() - start
+        self.steps.append(StepTime(name, seconds))
+        self.pm.hook.ftcore_stage_end(run=self.info, stage=name, metrics=metrics, seconds=seconds)
+
+    def _load_base(self) -> tuple[Any, Any]:
+        if self._base is not None:
+            return self._base
+        plan = self.plan
+        with self._step("load"):
+            ctx = LoadContext(self.info, self.reporter, self.quantizer, plan.seed,
+                              self.run_dir / "model", self._load_data)
+            ctx.work_dir.mkdir(parents=True, exist_ok=True)
+            loader = plan.model.create()
+            with calling(plan.model, "load"):
+                model, tokenizer = loader.load(ctx)
+            with calling(plan.quantizer, "prepare"):
+                model = self.quantizer.prepare(model)
+            prepare = getattr(self.template, "prepare", None)
+            if prepare is not None:
+                with calling(plan.template, "prepare"):
+                    model, tokenizer = prepare(model, tokenizer)
+        self._base = (model, tokenizer)
+        return self._base
+
+    def _materialize(self, index: int) -> ModelState:
+        """The model as it was after stage ``index`` (-1: the base model), rebuilt from saved outputs."""
+        if index < 0:
+            model, tokenizer = self._load_base()
+            self._base = None  # training changes it in place from here on
+            return ModelState(model, tokenizer, None, -1)
+        stage = self.plan.stages[index]
+        marker = self._marker(stage) or {}
+        started = int(marker.get("adapter_from", index))
+        state = self._materialize(started - 1)
+        model = state.model
+        if state.adapter is not None:
+            with calling(state.adapter, "merge"):
+                model = state.adapter.create().merge(model)
+        with calling(stage.adapter, "restore"):
+            model = stage.adapter.create().restore(model, self.stage_dir(stage) / "output", self._adapter_ctx())
+        self.reporter.info(f"stage [bold]{stage.name}[/] is complete: restored its output")
+        return ModelState(model, state.tokenizer, stage.adapter, started)
+
+    def _train(self, stage: Stage, state: ModelState) -> ModelState:
+        folder = self.stage_dir(stage)
+        checkpoints = folder / "checkpoints"
+        if self.info.is_main:
+            checkpoints.mkdir(parents=True, exist_ok=True)
+        model, adapter_from = state.model, state.adapter_from
+        same = state.adapter is not None and state.adapter.reg is stage.adapter.reg \
+            and state.adapter.options == stage.adapter.options
+        if not same:
+            if state.adapter is not None:
+                with calling(state.adapter, "merge"):
+                    model = state.adapter.create().merge(model)
+            with calling(stage.adapter, "apply"):
+                model = stage.adapter.create().apply(model, self._adapter_ctx())
+            adapter_from = stage.index
+        resume_from = _last_checkpoint(checkpoints) if self.resume else None
+        with self._step(stage.name) as metrics:
+            self.reporter.info(f"stage [bold]{stage.name}[/]: trainer '{stage.trainer.name}', "
+                               f"adapter '{stage.adapter.name}', data '{stage.data}'"
+                               + (f", resuming from {resume_from.name}" if resume_from else ""))
+            ctx = StageContext(self.info, self.reporter, stage.name, model, state.tokenizer, self.template,
+                               self._load_data(stage.data),
+                               self._load_data(stage.eval_data) if stage.eval_data else None,
+                               folder, checkpoints, resume_from, self.plan.seed)
+            with calling(stage.trainer, "train"):
+                metrics.update(stage.trainer.create().train(ctx) or {})
+            with calling(stage.adapter, "save"):
+                if self.info.is_main:
+                    stage.adapter.create().save(ctx.model, folder / "output")
+        self.stage_metrics[stage.name] = dict(metrics)
+        if self.info.is_main:
+            rundir.write_json(folder / rundir.COMPLETE, {
+                "stage": stage.name, "trainer": stage.trainer.reg.qualified,
+                "adapter": stage.adapter.reg.qualified, "adapter_from": adapter_from,
+                "metrics": metrics, "seconds": round(self.steps[-1].seconds, 2), "finished_at": rundir.now()})
+        return ModelState(ctx.model, state.tokenizer, stage.adapter, adapter_from)
+
+    def _evaluate(self, phase: str, model: Any, tokenizer: Any) -> None:
+        results: dict[str, Any] = {}
+        with self._step(f"evaluate:{phase}") as metrics:
+            for ev in self.plan.evaluations:
+                if ev.when not in (phase, "both"):
+                    continue
+                out = self.run_dir / "evaluations" / phase / ev.name
+                if self.info.is_main:
+                    out.mkdir(parents=True, exist_ok=True)
+                ctx = EvalContext(self.info, self.reporter, phase, model, tokenizer, self.template,
+                                  self._load_data(ev.data) if ev.data else None, out)
+                with calling(ev.evaluator, "evaluate"):
+                    values = ev.evaluator.create().evaluate(ctx) or {}
+                results[ev.name] = values
+                self.reporter.log(f"evaluate:{phase}", {f"{ev.name}/{k}": v for k, v in values.items()})
+                metrics.update({f"{ev.name}/{k}": v for k, v in values.items()})
+        self.evaluations[phase] = results
+        if self.info.is_main:
+            rundir.write_json(self.run_dir / "evaluations" / f"{phase}.json", results)
+
+    def _export(self, export: Any, state: ModelState) -> None:
+        path = self.export_path(export)
+        with self._step(f"export:{export.name}"):
+            ctx = ExportContext(self.info, self.reporter, state.model, state.tokenizer, self.template,
+                                state.adapter.create() if state.adapter else None, path)
+            if self.info.is_main:
+                with calling(export.exporter, "export"):
+                    artifact = export.exporter.create().export(ctx)
+                self.exports[export.name] = str(artifact or path)
+                done = rundir.read_json(self.run_dir / "exports.json") or {}
+                rundir.write_json(self.run_dir / "exports.json", {**done, export.name: str(artifact or path)})
+                self.reporter.info(f"exported [bold]{export.name}[/] to {artifact or path}")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _adapter_ctx(self) -> AdapterContext:
+        return AdapterContext(self.info, self.reporter, self.quantizer)
+
+    def _load_data(self, name: str) -> Any:
+        if name not in self._data:
+            sel = self.plan.data[name]
+            with calling(sel, "load"):
+                self._data[name] = sel.create().load(DataContext(self.info, self.reporter, name))
+        return self._data[name]
+
+    def _marker(self, stage: Stage) -> dict[str, Any] | None:
+        return rundir.read_json(self.stage_dir(stage) / rundir.COMPLETE)
+
+    def _phase_pending(self, phase: str) -> bool:
+        wanted = any(e.when in (phase, "both") for e in self.plan.evaluations)
+        stored = rundir.read_json(self.run_dir / "evaluations" / f"{phase}.json")
+        if stored is not None and self.resume:
+            self.evaluations[phase] = stored
+            self.steps.append(StepTime(f"evaluate:{phase}", 0.0, skipped=True))
+            return False
+        return wanted
+
+    def _export_done(self, export: Any) -> bool:
+        done = rundir.read_json(self.run_dir / "exports.json") or {}
+        if export.name in done and self.resume:
+            self.exports[export.name] = done[export.name]
+            return True
+        return False
+
+    def _check_exports_free(self) -> None:
+        """Refuse before any work if an export would land on files the user already has."""
+        done = rundir.read_json(self.run_dir / "exports.json") or {}
+        for export in self.plan.exports:
+            path = self.export_path(export)
+            inside = self.run_dir in path.parents
+            if path.exists() and any(path.iterdir() if path.is_dir() else [path]) and not inside \
+                    and not (self.resume and export.name in done):
+                raise FtcoreError(f"{self.plan.path.name}: export '{export.name}': {path} already exists; "
+                                  "choose another export path or move it away (ftcore never overwrites it)")
+
+    def _log_to_file(self) -> logging.Handler:
+        name = "run.log" if self.info.is_main else f"run.rank{self.info.rank}.log"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(self.run_dir / name, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        if root.level > logging.INFO or root.level == logging.NOTSET:
+            root.setLevel(logging.INFO)
+        return handler
+
+    def _write_manifest(self, status: str) -> dict[str, Any]:
+        plan = self.plan
+        inputs: dict[str, Any] = {}
+        for name, sel in plan.data.items():
+            for path in sel.create().inputs():
+                path = Path(path)
+                if path.is_file():
+                    inputs[str(path)] = {"data": name, "sha256": rundir.sha256(path), "bytes": path.stat().st_size}
+        dists = {i.dist for i in self.pm.infos.values() if i.dist != "ftcore"}
+        manifest = {
+            "ftcore_version": rundir.package_versions()["ftcore"],
+            "status": status,
+            "started_at": rundir.now(),
+            "plan_path": str(plan.path),
+            "plan_fingerprint": plan.fingerprint(),
+            "plan": plan.redacted(),
+            "resolved": {
+                "model": plan.model.reg.qualified, "quantizer": plan.quantizer.reg.qualified,
+                "template": plan.template.reg.qualified,
+                "data": {k: v.reg.qualified for k, v in plan.data.items()},
+                "stages": [{"name": s.name, "trainer": s.trainer.reg.qualified, "adapter": s.adapter.reg.qualified,
+                            "data": s.data} for s in plan.stages],
+                "evaluate": [{"name": e.name, "evaluator": e.evaluator.reg.qualified, "data": e.data,
+                              "when": e.when} for e in plan.evaluations],
+                "export": [{"name": e.name, "exporter": e.exporter.reg.qualified,
+                            "path": str(self.export_path(e))} for e in plan.exports],
+            },
+            "plugins": [{"name": i.name, "dist": i.dist, "version": i.version, "source": i.source}
+                        for i in self.pm.infos.values()],
+            "packages": rundir.package_versions(sorted(dists)),
+            "data_files": inputs,
+            "git": rundir.git_info(plan.base_dir),
+            "hardware": rundir.hardware(),
+            "world_size": self.info.world_size,
+        }
+        if self.info.is_main:
+            previous = rundir.read_json(self.run_dir / rundir.MANIFEST)
+            if previous and self.resume:
+                manifest["started_at"] = previous.get("started_at", manifest["started_at"])
+                manifest["resumed_at"] = [*previous.get("resumed_at", []), rundir.now()]
+            rundir.write_json(self.run_dir / rundir.MANIFEST, manifest)
+        return manifest
+
+    def _summary(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run_dir),
+            "evaluations": self.evaluations,
+            "stages": self.stage_metrics,
+            "exports": self.exports,
+            "steps": [{"name": s.name, "seconds": round(s.seconds, 2), "skipped": s.skipped} for s in self.steps],
+        }
+
+
+@contextlib.contextmanager
+def calling(sel: Selected, what: str) -> Iterator[None]:
+    """Turn an exception inside a component into one line that names the plugin."""
+    try:
+        yield
+    except (FtcoreError, ComponentError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ComponentError(f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in {what}() "
+                             f"[{sel.key}]: {type(exc).__name__}: {first}") from exc
+
+
+def _last_checkpoint(folder: Path) -> Path | None:
+    """The newest complete Trainer checkpoint (its trainer_state.json is written last)."""
+    found = []
+    for child in folder.glob("checkpoint-*"):
+        m = re.fullmatch(r"checkpoint-(\d+)", child.name)
+        if m and (child / "trainer_state.json").exists():
+            found.append((int(m.group(1)), child))
+    return max(found)[1] if found else None

@@ -1,0 +1,123 @@
+"""What the SFT and pre-training trainers share: options, the TRL run, progress and metrics."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from ftcore.component import Options
+
+
+class TrainOptions(Options):
+    epochs: float = 1.0
+    max_steps: int = -1  # overrides epochs when > 0
+    learning_rate: float = 2e-4
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_length: int = 512
+    lr_scheduler: str = "linear"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    optimizer: str = "adamw_torch"
+    gradient_checkpointing: bool = False
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU that has it, else fp32
+    logging_steps: int = 10
+    save_steps: int = 50  # checkpoint every N steps, for --resume
+    save_total_limit: int = 2
+
+
+def progress_callback(reporter: Any, stage: str):
+    from transformers import TrainerCallback
+
+    class RichProgress(TrainerCallback):
+        """Draws the stage's progress bar and records the Trainer's logs as metrics."""
+
+        def __init__(self):
+            self._cm = self._bar = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self._cm = reporter.progress(f"train {stage}", state.max_steps)
+            self._bar = self._cm.__enter__()
+            self._bar.update(completed=state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):
+            self._bar.update(completed=state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            reporter.log(stage, logs, step=state.global_step)
+            if "loss" in logs and self._bar is not None:
+                self._bar.update(note=f"loss {logs['loss']:.4f}")
+
+        def on_train_end(self, args, state, control, **kw):
+            if self._cm is not None:
+                self._cm.__exit__(None, None, None)
+                self._cm = None
+
+    return RichProgress()
+
+
+def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, packing: bool,
+            packing_strategy: str = "bfd") -> dict[str, Any]:
+    """Train ``ctx.model`` with TRL's SFTTrainer on pre-tokenized ``input_ids``/``labels``."""
+    import torch
+    from transformers import PrinterCallback
+    from trl import SFTConfig, SFTTrainer
+
+    cuda = torch.cuda.is_available()
+    precision = o.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    config = SFTConfig(
+        output_dir=str(ctx.checkpoint_dir),
+        num_train_epochs=o.epochs,
+        max_steps=o.max_steps,
+        per_device_train_batch_size=o.batch_size,
+        per_device_eval_batch_size=o.batch_size,
+        gradient_accumulation_steps=o.gradient_accumulation_steps,
+        learning_rate=o.learning_rate,
+        lr_scheduler_type=o.lr_scheduler,
+        warmup_steps=o.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        weight_decay=o.weight_decay,
+        optim=o.optimizer,
+        gradient_checkpointing=o.gradient_checkpointing,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        logging_steps=o.logging_steps,
+        save_strategy="steps",
+        save_steps=o.save_steps,
+        save_total_limit=o.save_total_limit,
+        eval_strategy="epoch" if evaluation is not None else "no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=ctx.seed,
+        max_length=o.max_length,
+        packing=packing,
+        packing_strategy=packing_strategy,
+        dataset_num_proc=None,
+        dataloader_pin_memory=cuda,
+    )
+    trainer = SFTTrainer(model=ctx.model, args=config, train_dataset=train, eval_dataset=evaluation,
+                         processing_class=ctx.tokenizer, callbacks=[progress_callback(ctx.reporter, ctx.stage)])
+    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+    ctx.model = trainer.model
+    metrics: dict[str, Any] = {"train_loss": result.training_loss, "global_step": result.global_step,
+                               "train_seconds": result.metrics.get("train_runtime")}
+    # Real (non-padding) tokens, as counted by TRL from the attention masks it trained on.
+    tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+    if tokens:
+        metrics["train_tokens"] = int(tokens[-1])
+        if metrics["train_seconds"]:
+            metrics["tokens_per_second"] = tokens[-1] / metrics["train_seconds"]
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    if evals:
+        metrics["eval_loss"] = evals[-1]
+        metrics["eval_perplexity"] = math.exp(min(evals[-1], 50))
+    return metrics
+
+
+def to_dataset(columns: dict[str, list]) -> Any:
+    import datasets
+
+    return datasets.Dataset.from_dict(columns)

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; continue with: ftcore run PLAN --resume", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ftcore plugins --json | head`
+        sys.stderr.close()
+        return 0
 
 
 def _plugins(args: argparse.Namespace) -> Any:

@@ -32,6 +32,8 @@ EXPORT_KEYS = ("name", "use", "path")
 WHEN = ("before", "after", "both")
 DEFAULTS = {"quantizer": "none", "template": "native", "adapter": "full"}
 _SECRET = re.compile(r"token|secret|password|passwd|api[_-]?key|credential", re.I)
+_FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")  # "tokenizer_data[0]: ..."
 
 
 @dataclass
@@ -192,6 +194,9 @@ class _Checker:
                   name_key: str = "use", default: str | None = None) -> Selected | None:
         if isinstance(section, str):  # shorthand: adapter = "full"
             section = {name_key: section}
+        if section is not None and not isinstance(section, dict):
+            self.problem(key, f"must be a table or a name, got {_type(section)}")
+            return None
         section = dict(section or {})
         if name_key not in section and default is not None:
             section[name_key] = default
@@ -223,11 +228,16 @@ class _Checker:
         if bad:
             return None
         try:
-            return model.model_validate(raw, context={"base_dir": self.base_dir})
+            # Strict, as TOML is typed: "8" is not an int, "yes" not a bool. JSON mode still takes
+            # strings for paths; TOML dates (which JSON lacks) arrive as strings and fail as such.
+            return model.model_validate_json(json.dumps(raw, default=str), strict=True,
+                                             context={"base_dir": self.base_dir})
         except ValidationError as exc:
+            by_key: dict[str, list[str]] = {}
             for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"])
-                self.problem(f"{key}.{loc}" if loc else key, _pydantic_message(err))
+                by_key.setdefault(key + _loc(err["loc"]), []).append(_pydantic_message(err))
+            for path, messages in by_key.items():  # a union reports once per member: join them
+                self.problem(path, " or ".join(messages))
             return None
 
     # -- the plan ----------------------------------------------------------------------
@@ -245,14 +255,16 @@ class _Checker:
             elif not isinstance(v, RUN_KEYS[k]) or isinstance(v, bool):
                 self.problem(f"run.{k}", f"must be {RUN_KEYS[k].__name__}, got {_type(v)}")
         run_name = run.get("name") if isinstance(run.get("name"), str) else path.stem
-        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", run_name or ""):
-            self.problem("run.name", f"{run_name!r} is not a usable folder name (letters, digits, '_', '-', '.')")
+        self.folder_name(run_name, "run.name")
         seed = run.get("seed", 42) if isinstance(run.get("seed", 42), int) else 42
         output_dir = Path(run["output_dir"]) if isinstance(run.get("output_dir"), str) else Path("runs")
-        output_dir = (self.base_dir / output_dir.expanduser()).resolve()
+        try:
+            output_dir = (self.base_dir / output_dir.expanduser()).resolve()
+        except RuntimeError as exc:  # "~user/..." for a user that does not exist
+            self.problem("run.output_dir", f"cannot expand {str(output_dir)!r}: {exc}")
 
-        model = self.component("model loader", "model", self.table(raw, "model", required=True) if "model" in raw
-                               else self._missing("model"))
+        model_section = self.table(raw, "model", required=True)
+        model = self.component("model loader", "model", model_section) if model_section is not None else None
         quantizer = self.component("quantizer", "quantizer", raw.get("quantizer"), default=DEFAULTS["quantizer"])
         template = self.component("chat template", "template", raw.get("template"), default=DEFAULTS["template"])
         default_adapter = raw.get("adapter", DEFAULTS["adapter"])
@@ -282,21 +294,17 @@ class _Checker:
         for i, section in enumerate(self.tables(raw, "stage")):
             key = f"stage[{i}]"
             trainer = self.component("trainer", key, section, core_keys=STAGE_KEYS, name_key="trainer")
-            name = section.get("name") or f"{i}-{section.get('trainer', 'stage')}"
-            if not isinstance(name, str) or not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", name):
-                self.problem(f"{key}.name", f"{name!r} is not a usable folder name")
-            elif name in seen:
-                self.problem(f"{key}.name", f"duplicate stage name {name!r}")
-            seen.add(str(name))
+            name = section.get("name") or f"{i}-{trainer.name if trainer else 'stage'}"
+            self.unique_name(name, f"{key}.name", "stage", seen)
             ref = data_ref(section, "data", f"{key}.data", required=True)
             eval_ref = data_ref(section, "eval_data", f"{key}.eval_data", required=False)
-            adapter_section = section.get("adapter", default_adapter)
-            adapter = self.component("adapter", f"{key}.adapter", adapter_section, default=DEFAULTS["adapter"]) \
-                if isinstance(adapter_section, (str, dict)) else None
+            adapter = self.component("adapter", f"{key}.adapter", section.get("adapter", default_adapter),
+                                     default=DEFAULTS["adapter"])
             if trainer and adapter and ref:
                 stages.append(Stage(i, str(name), trainer, ref, eval_ref, adapter))
 
         evaluations: list[Evaluation] = []
+        seen = set()
         for i, section in enumerate(self.tables(raw, "evaluate")):
             key = f"evaluate[{i}]"
             ev = self.component("evaluator", key, section, core_keys=EVALUATE_KEYS)
@@ -304,15 +312,12 @@ class _Checker:
             when = section.get("when", "both")
             if when not in WHEN:
                 self.problem(f"{key}.when", f"must be one of {', '.join(WHEN)}, got {when!r}")
-            name = section.get("name") or (ev.name if ev else "")
-            if ev:
-                evaluations.append(Evaluation(str(name), ev, ref, when))
-        names = [e.name for e in evaluations]
-        for i, n in enumerate(names):
-            if names.count(n) > 1 and names.index(n) == i:
-                self.problem("evaluate", f"two evaluations are named {n!r}; give each a distinct 'name'")
+            name = section.get("name") or (ev.name if ev else None)
+            if name is not None and self.unique_name(name, f"{key}.name", "evaluation", seen) and ev:
+                evaluations.append(Evaluation(name, ev, ref, when))
 
         exports: list[Export] = []
+        seen = set()
         for i, section in enumerate(self.tables(raw, "export")):
             key = f"export[{i}]"
             ex = self.component("exporter", key, section, core_keys=EXPORT_KEYS)
@@ -320,9 +325,9 @@ class _Checker:
             if out is not None and not isinstance(out, str):
                 self.problem(f"{key}.path", f"must be a string, got {_type(out)}")
                 out = None
-            name = section.get("name") or (ex.name if ex else "")
-            if ex:
-                exports.append(Export(str(name), ex, (self.base_dir / out).resolve() if out else None))
+            name = section.get("name") or (ex.name if ex else None)
+            if name is not None and self.unique_name(name, f"{key}.name", "export", seen) and ex:
+                exports.append(Export(name, ex, (self.base_dir / out).resolve() if out else None))
 
         if self.problems or model is None or quantizer is None or template is None:
             return None
@@ -333,12 +338,28 @@ class _Checker:
                     *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
                     *(e.exporter for e in exports)]:
             for msg in sel.create().check(plan):
-                self.problem(sel.key, msg)
+                sub = _SUBKEY.match(msg)
+                if sub:
+                    self.problem(f"{sel.key}.{sub.group(1)}", msg[sub.end():])
+                else:
+                    self.problem(sel.key, msg)
         return plan
 
-    def _missing(self, key: str) -> None:
-        self.problem(key, f"missing required table [{key}]")
-        return None
+    def folder_name(self, name: Any, path: str) -> bool:
+        if isinstance(name, str) and _FOLDER.match(name):
+            return True
+        self.problem(path, f"{name!r} is not a usable folder name (letters, digits, '_', '-', '.')")
+        return False
+
+    def unique_name(self, name: Any, path: str, what: str, seen: set[str]) -> bool:
+        """Check a name that becomes a folder in the run directory; two may not share one."""
+        if not self.folder_name(name, path):
+            return False
+        if name in seen:
+            self.problem(path, f"duplicate {what} name {name!r}; give each {what} a distinct 'name'")
+            return False
+        seen.add(name)
+        return True
 
     def requires(self, value: Any) -> list[str]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -352,7 +373,8 @@ class _Checker:
             try:
                 req = Requirement(text)
             except InvalidRequirement as exc:
-                self.problem(f"requires[{i}]", f"not a valid requirement {text!r}: {exc}")
+                reason = str(exc).splitlines()[0]  # packaging adds the text and a caret on further lines
+                self.problem(f"requires[{i}]", f"not a valid requirement {text!r}: {reason}")
                 continue
             try:
                 have = version(req.name)
@@ -368,6 +390,13 @@ class _Checker:
 def _unknown_key(what: str, key: str, valid: Any) -> str:
     hint = did_you_mean(key, valid)
     return f"{what}{hint} {'Valid' if hint else '; valid'} keys: {', '.join(sorted(valid))}".replace(" ;", ";")
+
+
+def _loc(loc: tuple) -> str:
+    """A pydantic error location as a key path: ``.target_modules``, ``.tokenizer_data[0]``.
+    Union member tags (``list[str]``, ``literal['all-linear']``) are not keys and are dropped."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc
+                   if isinstance(p, int) or str(p).isidentifier())
 
 
 def _type(value: Any) -> str:

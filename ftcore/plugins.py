@@ -71,7 +71,7 @@ class PluginManager(pluggy.PluginManager):
 
     def check_pending(self) -> None:
         """Unregister, and report, each plugin that implements a hook that does not exist."""
-        specs = [n for n in dir(self.hook) if n.startswith(("register_", "ftcore_"))]
+        specs = [n for n in dir(self.hook) if not n.startswith("_") and getattr(self.hook, n).has_spec()]
         while True:
             try:
                 super().check_pending()

@@ -17,7 +17,10 @@ from pydantic import AfterValidator, ValidationInfo
 
 def _resolve(value: Path, info: ValidationInfo) -> Path:
     base = (info.context or {}).get("base_dir")
-    value = value.expanduser()
+    try:
+        value = value.expanduser()
+    except RuntimeError as exc:  # "~nosuchuser/..."
+        raise ValueError(f"cannot expand {str(value)!r}: {exc}") from None
     if base is not None and not value.is_absolute():
         value = Path(base) / value
     return Path(str(value.resolve()) if base is not None else value)

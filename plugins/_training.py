@@ -64,6 +64,7 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
+    quiet_library_progress_bars()
     cuda = torch.cuda.is_available()
     precision = o.precision
     if precision == "auto":
@@ -80,7 +81,7 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
         warmup_steps=o.warmup_ratio,  # a float below 1 is a ratio of the total steps
         weight_decay=o.weight_decay,
         optim=o.optimizer,
-        gradient_checkpointing=o.gradient_checkpointing,
+        activation_checkpointing=o.gradient_checkpointing,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         logging_steps=o.logging_steps,
@@ -115,6 +116,15 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
         metrics["eval_loss"] = evals[-1]
         metrics["eval_perplexity"] = math.exp(min(evals[-1], 50))
     return metrics
+
+
+def quiet_library_progress_bars() -> None:
+    """ftcore draws its own bars; the libraries' tqdm bars would interleave with them."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def to_dataset(columns: dict[str, list]) -> Any:

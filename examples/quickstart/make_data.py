@@ -27,14 +27,16 @@ DISTRACTORS = ADJECTIVES + THINGS + VERBS
 PROMPT = "Which word is an animal? {}"
 
 
-def sentence(rng: random.Random) -> str:
-    a1, a2 = rng.sample(ADJECTIVES, 2)
-    n1, n2 = rng.sample(NOUNS, 2)
-    return f"the {a1} {n1} {rng.choice(VERBS)} the {a2} {n2}."
-
-
 def document(rng: random.Random) -> str:
-    return " ".join(sentence(rng) for _ in range(rng.randint(2, 5)))
+    """A chain of sentences where each object becomes the next subject, so that
+    predicting the text needs attention to earlier words, not just the last one."""
+    subject = f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+    sentences = []
+    for _ in range(rng.randint(2, 5)):
+        obj = f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}"
+        sentences.append(f"the {subject} {rng.choice(VERBS)} the {obj}.")
+        subject = obj
+    return " ".join(sentences)
 
 
 def chat(words: tuple[str, ...]) -> dict:

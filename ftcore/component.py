@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 class Options(BaseModel):
     """Base for a component's options. Unknown keys are errors, not silently ignored."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class Component:
@@ -38,7 +38,7 @@ class Component:
         return []
 
     def inputs(self) -> list[Any]:
-        """Files this component reads, for the run manifest's sha256 list."""
+        """Data sources: the files this source reads, for the run manifest's sha256 list."""
         return []
 
 
@@ -46,20 +46,20 @@ class Component:
 class Kind:
     id: str  # used in messages: "unknown trainer 'x'"
     hook: str  # the registry hook that registers it
-    method: str  # the method every component of this kind must have
+    methods: tuple[str, ...]  # what every component of this kind must have
     title: str  # plural heading for `ftcore plugins`
 
 
 KINDS: dict[str, Kind] = {
     k.id: k
     for k in (
-        Kind("model loader", "register_model_loaders", "load", "Model loaders"),
-        Kind("data source", "register_data_sources", "load", "Data sources"),
-        Kind("chat template", "register_chat_templates", "render", "Chat templates"),
-        Kind("adapter", "register_adapters", "apply", "Adapters"),
-        Kind("quantizer", "register_quantizers", "load_kwargs", "Quantizers"),
-        Kind("trainer", "register_trainers", "train", "Trainers"),
-        Kind("evaluator", "register_evaluators", "evaluate", "Evaluators"),
-        Kind("exporter", "register_exporters", "export", "Exporters"),
+        Kind("model loader", "register_model_loaders", ("load",), "Model loaders"),
+        Kind("data source", "register_data_sources", ("load",), "Data sources"),
+        Kind("chat template", "register_chat_templates", ("render",), "Chat templates"),
+        Kind("adapter", "register_adapters", ("apply", "save", "restore", "merge"), "Adapters"),
+        Kind("quantizer", "register_quantizers", ("load_kwargs", "prepare"), "Quantizers"),
+        Kind("trainer", "register_trainers", ("train",), "Trainers"),
+        Kind("evaluator", "register_evaluators", ("evaluate",), "Evaluators"),
+        Kind("exporter", "register_exporters", ("export",), "Exporters"),
     )
 }

@@ -100,7 +100,8 @@ def ftcore_run_start(run: Any) -> None:
 @hookspec
 def ftcore_stage_start(run: Any, stage: str) -> None:
     """Called before each step of a run: ``load``, ``evaluate:before``, each
-    training stage by name, ``evaluate:after`` and ``export``.
+    training stage by name, ``evaluate:after`` and ``export:<name>`` per export.
+    Every rank calls the lifecycle hooks; check ``run.is_main`` to act once.
 
     :param run: the :class:`ftcore.context.RunInfo` of this run.
     :param stage: the step's name.

@@ -337,7 +337,14 @@ class _Checker:
         for sel in [model, quantizer, template, *data.values(), *(s.trainer for s in stages),
                     *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
                     *(e.exporter for e in exports)]:
-            for msg in sel.create().check(plan):
+            try:
+                messages = sel.create().check(plan)
+            except Exception as exc:  # a plugin bug, reported as such rather than as a traceback
+                first = (str(exc).strip().splitlines() or [""])[0]
+                self.problem(sel.key, f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in check(): "
+                                      f"{type(exc).__name__}: {first}")
+                continue
+            for msg in messages:
                 sub = _SUBKEY.match(msg)
                 if sub:
                     self.problem(f"{sel.key}.{sub.group(1)}", msg[sub.end():])

@@ -60,6 +60,7 @@ class PluginManager(pluggy.PluginManager):
         self.infos: dict[str, PluginInfo] = {}
         self.failures: list[str] = []
         self._registry: Registry | None = None
+        self._warned: set[tuple[str, str]] = set()
 
     def add_plugin(self, obj: object, info: PluginInfo) -> None:
         try:
@@ -89,6 +90,20 @@ class PluginManager(pluggy.PluginManager):
                 self.unregister(exc.plugin)
                 self.failures.append(f"{_who(info)} was not loaded: {hints or _one_line(exc)}")
 
+    def notify(self, hook: str, **kwargs: object) -> list[str]:
+        """Call a lifecycle hook on every plugin. A plugin that raises is reported (once
+        per hook) and skipped: a broken tracker must not end a long training run."""
+        problems = []
+        for impl in reversed(getattr(self.hook, hook).get_hookimpls()):  # pluggy's call order
+            try:
+                impl.function(**{name: kwargs[name] for name in impl.argnames})
+            except Exception as exc:
+                if (impl.plugin_name, hook) not in self._warned:
+                    self._warned.add((impl.plugin_name, hook))
+                    info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
+                    problems.append(f"{_who(info)} failed in {hook} (ignored from now on): {_one_line(exc)}")
+        return problems
+
     def registry(self) -> Registry:
         """Collect every component, calling each plugin's registry hook on its own so a
         failure is attributed to the plugin that caused it."""
@@ -102,7 +117,7 @@ class PluginManager(pluggy.PluginManager):
                 info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
 
                 def register(cls: type, _kind=kind, _info=info) -> None:
-                    problem = _check_component(cls, _kind.method, BaseModel)
+                    problem = _check_component(cls, _kind.methods, BaseModel)
                     if problem:
                         registry.problems.append(f"{_who(_info)} registered an invalid {_kind.id}: {problem}")
                         return
@@ -168,14 +183,15 @@ def get_plugin_manager(
     return pm
 
 
-def _check_component(cls: object, method: str, base_model: type) -> str | None:
+def _check_component(cls: object, methods: tuple[str, ...], base_model: type) -> str | None:
     if not inspect.isclass(cls):
         return f"expected a class, got {cls!r}"
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
         return f"{cls.__qualname__} has no 'name'"
-    if not callable(getattr(cls, method, None)):
-        return f"{cls.__qualname__} ('{name}') has no '{method}' method"
+    missing = [m for m in methods if not callable(getattr(cls, m, None))]
+    if missing:
+        return f"{cls.__qualname__} ('{name}') lacks {', '.join(repr(m) for m in missing)}"
     options = getattr(cls, "Options", None)
     if not (inspect.isclass(options) and issubclass(options, base_model)):
         return f"{cls.__qualname__} ('{name}') has no pydantic 'Options' model"

@@ -49,7 +49,7 @@ class Registry:
     def add(self, reg: Registration) -> None:
         if not _NAME.match(reg.name):
             self.problems.append(
-                f"{reg.who()} registered a {reg.kind} with an invalid name {reg.name!r} "
+                f"{reg.who()} registered the {reg.kind} name {reg.name!r}, which is invalid "
                 "(use letters, digits, '_', '-', '.')"
             )
             return
@@ -79,7 +79,7 @@ class Registry:
         if ":" in name:
             dist, _, bare = name.partition(":")
             for reg in by_name.get(bare, []):
-                if reg.dist == dist or reg.plugin == dist:
+                if _norm(reg.dist) == _norm(dist) or reg.plugin == dist:
                     return reg
             providers = sorted(r.qualified for r in by_name.get(bare, []))
             if providers:
@@ -91,6 +91,10 @@ class Registry:
         if len(regs) > 1:
             raise LookupError(_clash(kind, name, regs))
         return regs[0]
+
+
+def _norm(dist: str) -> str:
+    return dist.lower().replace("_", "-").replace(".", "-")
 
 
 def _clash(kind: str, name: str, regs: list[Registration]) -> str:

@@ -34,21 +34,21 @@ class Progress:
 
 
 class Reporter:
-    def __init__(self, console: Any | None, metrics_path: Path | None, hook: Any | None, run: Any | None):
+    def __init__(self, console: Any | None, metrics_path: Path | None, pm: Any | None, run: Any | None):
         self.console = console  # a rich Console, or None on non-main ranks
         self.metrics_path = metrics_path
-        self._hook = hook
+        self._pm = pm  # calls ftcore_log on plugins, main rank only
         self._run = run
 
     def info(self, message: str) -> None:
-        log.info(message)
+        log.info(_plain(message))
         if self.console is not None:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=True)
 
     def warn(self, message: str) -> None:
-        log.warning(message)
+        log.warning(_plain(message))
         if self.console is not None:
-            self.console.print(f"[yellow]warning:[/] {message}", highlight=False)
+            self.console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
     def log(self, stage: str, metrics: dict[str, Any], step: int | None = None) -> None:
         """Record metrics: one line in metrics.jsonl and a ``ftcore_log`` hook call."""
@@ -57,8 +57,9 @@ class Reporter:
             record = {"time": round(time.time(), 3), "stage": stage, "step": step, **clean}
             with self.metrics_path.open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
-        if self._hook is not None:
-            self._hook.ftcore_log(run=self._run, stage=stage, step=step, metrics=clean)
+        if self._pm is not None:
+            for problem in self._pm.notify("ftcore_log", run=self._run, stage=stage, step=step, metrics=clean):
+                self.warn(problem)
 
     @contextlib.contextmanager
     def progress(self, description: str, total: float | None) -> Iterator[Progress]:
@@ -73,6 +74,13 @@ class Reporter:
         with RichProgress(*columns, console=self.console, transient=False) as bar:
             task = bar.add_task(description, total=total, note="")
             yield Progress(bar, task)
+
+
+def _plain(message: str) -> str:
+    """The message without rich markup, for the log file."""
+    from rich.text import Text
+
+    return Text.from_markup(message).plain
 
 
 def _number(v: Any) -> Any:

@@ -77,11 +77,11 @@ class Runner:
             note = rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
         handler = self._log_to_file()
         self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
-                                 self.pm.hook if self.info.is_main else None, self.info)
+                                 self.pm if self.info.is_main else None, self.info)
         if note:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
-        self.pm.hook.ftcore_run_start(run=self.info)
+        self._notify("ftcore_run_start", run=self.info)
         try:
             self._steps()
         except BaseException as exc:
@@ -89,16 +89,18 @@ class Runner:
                 status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
                 rundir.write_json(self.run_dir / rundir.MANIFEST,
                                   {**manifest, "status": status, "ended_at": rundir.now(), "error": str(exc)[:500]})
-            self.pm.hook.ftcore_run_end(run=self.info, error=exc)
-            logging.getLogger().removeHandler(handler)
+            self._notify("ftcore_run_end", run=self.info, error=exc)
+            self._close_log(handler)
             raise
         summary = self._summary()
         if self.info.is_main:
             rundir.write_json(self.run_dir / "summary.json", summary)
+            # Hardware again: accelerators are known only once a plugin has imported torch.
             rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": "complete",
-                                                               "ended_at": rundir.now()})
-        self.pm.hook.ftcore_run_end(run=self.info, error=None)
-        logging.getLogger().removeHandler(handler)
+                                                               "ended_at": rundir.now(),
+                                                               "hardware": rundir.hardware()})
+        self._notify("ftcore_run_end", run=self.info, error=None)
+        self._close_log(handler)
         return summary
 
     def _steps(self) -> None:
@@ -133,13 +135,13 @@ class Runner:
     # -- steps -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _step(self, name: str) -> Iterator[dict[str, Any]]:
-        self.pm.hook.ftcore_stage_start(run=self.info, stage=name)
+        self._notify("ftcore_stage_start", run=self.info, stage=name)
         start = time.perf_counter()
         metrics: dict[str, Any] = {}
         yield metrics
         seconds = time.perf_counter() - start
         self.steps.append(StepTime(name, seconds))
-        self.pm.hook.ftcore_stage_end(run=self.info, stage=name, metrics=metrics, seconds=seconds)
+        self._notify("ftcore_stage_end", run=self.info, stage=name, metrics=metrics, seconds=seconds)
 
     def _load_base(self) -> tuple[Any, Any]:
         if self._base is not None:
@@ -291,16 +293,29 @@ class Runner:
                 raise FtcoreError(f"{self.plan.path.name}: export '{export.name}': {path} already exists; "
                                   "choose another export path or move it away (ftcore never overwrites it)")
 
+    def _notify(self, hook: str, **kwargs: Any) -> None:
+        for problem in self.pm.notify(hook, **kwargs):
+            if self.reporter is not None:
+                self.reporter.warn(problem)
+
     def _log_to_file(self) -> logging.Handler:
-        name = "run.log" if self.info.is_main else f"run.rank{self.info.rank}.log"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(self.run_dir / name, encoding="utf-8")
+        # Only rank 0 writes into the run directory; other ranks log to stderr.
+        if self.info.is_main:
+            handler: logging.Handler = logging.FileHandler(self.run_dir / "run.log", encoding="utf-8")
+        else:
+            handler = logging.StreamHandler()
+            handler.setLevel(logging.WARNING)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger()
         root.addHandler(handler)
         if root.level > logging.INFO or root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
         return handler
+
+    @staticmethod
+    def _close_log(handler: logging.Handler) -> None:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
 
     def _write_manifest(self, status: str) -> dict[str, Any]:
         plan = self.plan

@@ -47,4 +47,4 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
         for name, path in summary["exports"].items():
             table.add_row(name, path)
         console.print(table)
-    console.print(f"run directory: {summary['run_dir']}", highlight=False)
+    console.print(f"run directory: {summary['run_dir']}", highlight=False, soft_wrap=True)

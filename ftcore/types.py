@@ -3,8 +3,11 @@
 Relative paths in a plan resolve against the plan file's folder, whatever the
 current directory is. Use these in an ``Options`` model::
 
-    class Options(ftcore.component.Options):
-        path: ftcore.InputPath
+    from ftcore.component import Options
+    from ftcore.types import InputPath
+
+    class Options(Options):
+        path: InputPath
 """
 
 from __future__ import annotations

@@ -58,14 +58,14 @@ class ExactMatch(Component):
             tok.padding_side = side
             model.train(was_training)
         norm = normalize if self.options.normalize else (lambda s: s.strip())
-        hits = 0
-        with (ctx.output_dir / "predictions.jsonl").open("w", encoding="utf-8") as fh:
-            for row, answer in zip(rows, answers):
-                ref = row["messages"][-1]["content"]
-                ok = norm(answer) == norm(ref)
-                hits += ok
-                fh.write(json.dumps({"prompt": row["messages"][-2]["content"] if len(row["messages"]) > 1 else "",
-                                     "reference": ref, "prediction": answer.strip(), "match": ok}) + "\n")
+        records = [{"prompt": row["messages"][-2]["content"] if len(row["messages"]) > 1 else "",
+                    "reference": row["messages"][-1]["content"], "prediction": answer.strip(),
+                    "match": norm(answer) == norm(row["messages"][-1]["content"])}
+                   for row, answer in zip(rows, answers)]
+        if ctx.run.is_main:
+            with (ctx.output_dir / "predictions.jsonl").open("w", encoding="utf-8") as fh:
+                fh.writelines(json.dumps(r) + "\n" for r in records)
+        hits = sum(r["match"] for r in records)
         return {"exact_match": hits / len(rows), "n": len(rows)}
 
 

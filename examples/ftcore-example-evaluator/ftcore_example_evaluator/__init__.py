@@ -104,9 +104,10 @@ class AnswerLength(Component):
             tok.padding_side = side
             model.train(was_training)
 
-        with (ctx.output_dir / "answers.jsonl").open("w", encoding="utf-8") as fh:
-            for text, n, ok, ref in zip(texts, lengths, stopped, references):
-                fh.write(json.dumps({"answer": text, "tokens": n, "stopped": ok, "reference": ref}) + "\n")
+        if ctx.run.is_main:  # under torchrun only rank 0 writes into the run directory
+            with (ctx.output_dir / "answers.jsonl").open("w", encoding="utf-8") as fh:
+                for text, n, ok, ref in zip(texts, lengths, stopped, references):
+                    fh.write(json.dumps({"answer": text, "tokens": n, "stopped": ok, "reference": ref}) + "\n")
         result = {
             "mean_tokens": sum(lengths) / len(lengths),
             "stop_rate": sum(stopped) / len(stopped),

@@ -171,3 +171,32 @@ def test_export_never_overwrites_an_existing_user_folder(tiny_project):
 def test_quickstart_plan_validates():
     result = run_cli("validate", str(ROOT / "examples" / "quickstart" / "plan.toml"))
     assert result.returncode == 0, result.stderr
+
+
+def test_train_tokens_counts_every_real_token_once_per_epoch(tiny_project):
+    """The tokens and tokens/s a stage reports count real (non-padding) tokens: checked
+    against the plan's rows tokenized independently with the run's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from conftest import chat_rows
+
+    plan = tiny_project("""
+[[stage]]
+name = "sft"
+trainer = "sft"
+data = "chat"
+adapter = { use = "lora", r = 4 }
+epochs = 2
+batch_size = 5
+max_length = 64
+""")
+    assert run_cli("run", str(plan)).returncode == 0
+    run = tiny_project.dir / "runs" / "tiny"
+    tok = AutoTokenizer.from_pretrained(run / "model" / "tokenizer")
+    expected = 0
+    for row in chat_rows(64):  # what conftest wrote to chat.jsonl
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in row["messages"])
+        expected += len(tok(text, add_special_tokens=False)["input_ids"])
+    metrics = json.loads((run / "stages" / "sft" / "COMPLETE.json").read_text())["metrics"]
+    assert metrics["train_tokens"] == 2 * expected
+    assert metrics["tokens_per_second"] == pytest.approx(metrics["train_tokens"] / metrics["train_seconds"])

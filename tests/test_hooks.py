@@ -1,0 +1,280 @@
+"""A third-party plugin implementing every hook, registered the way entry points are,
+drives a whole run: each kind of component is swapped for its own, and the lifecycle
+hooks fire in order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ftcore
+from ftcore.component import Component, Options
+
+torch = pytest.importorskip("torch")
+
+from conftest import chat_rows  # noqa: E402
+
+
+class InlineChat(Component):
+    """Generated chat rows, no file."""
+
+    name = "inline-chat"
+
+    class Options(Options):
+        rows: int = 32
+        seed: int = 0
+
+    def load(self, ctx):
+        import datasets
+
+        return datasets.Dataset.from_list(chat_rows(self.options.rows, seed=self.options.seed))
+
+
+class PlainTemplate(Component):
+    """'User: ...' / 'Assistant: ...' turns."""
+
+    name = "plain"
+    stop_tokens = ()
+
+    def render(self, messages, tokenizer=None, add_generation_prompt=False):
+        eos = tokenizer.eos_token if tokenizer is not None else ""
+        text = "".join(f"{m['role'].title()}: {m['content']}{eos if m['role'] == 'assistant' else ''}\n"
+                       for m in messages)
+        return text + ("Assistant: " if add_generation_prompt else "")
+
+
+class TinyLoader(Component):
+    """The scratch loader, with fixed tiny sizes."""
+
+    name = "tiny"
+
+    def load(self, ctx):
+        from ftcore_plugins.model_scratch import ScratchModelLoader
+
+        inner = ScratchModelLoader(ScratchModelLoader.Options(hidden_size=32, num_layers=1, num_heads=2,
+                                                              tokenizer_data=["train"], vocab_size=300))
+        return inner.load(ctx)
+
+
+class MarkingQuantizer(Component):
+    """Marks the model, to show the quantizer was consulted."""
+
+    name = "marking"
+
+    def load_kwargs(self):
+        return {}
+
+    def prepare(self, model):
+        model.config.marked_by_quantizer = True
+        return model
+
+
+class HeadOnly(Component):
+    """Trains only the output head (a freeze-style method)."""
+
+    name = "head-only"
+    peft = False
+
+    def apply(self, model, ctx):
+        for name, p in model.named_parameters():
+            p.requires_grad_("lm_head" in name or "embed_tokens" in name)
+        return model
+
+    def save(self, model, path):
+        model.save_pretrained(path)
+
+    def restore(self, base, path, ctx):
+        return type(base).from_pretrained(path)
+
+    def merge(self, model):
+        return model
+
+
+class LoopTrainer(Component):
+    """A hand-written AdamW loop on assistant tokens."""
+
+    name = "loop"
+
+    class Options(Options):
+        steps: int = 30
+
+    def train(self, ctx):
+        from ftcore_plugins._chat import encode
+
+        cols, _ = encode(ctx.train_data, ctx.tokenizer, ctx.template, max_length=64)
+        params = [p for p in ctx.model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-2)
+        losses = []
+        for step in range(self.options.steps):
+            i = step % len(cols["input_ids"])
+            out = ctx.model(input_ids=torch.tensor([cols["input_ids"][i]]),
+                            labels=torch.tensor([cols["labels"][i]]))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+            ctx.reporter.log(ctx.stage, {"loss": out.loss.item()}, step=step + 1)
+        return {"first_loss": sum(losses[:5]) / 5, "last_loss": sum(losses[-5:]) / 5}
+
+
+class RowCount(Component):
+    """Counts evaluation rows."""
+
+    name = "row-count"
+
+    def evaluate(self, ctx):
+        return {"rows": len(ctx.data)}
+
+
+class StateDictExporter(Component):
+    """The raw state dict as one safetensors file."""
+
+    name = "state-dict"
+
+    def export(self, ctx):
+        from safetensors.torch import save_file
+
+        ctx.path.mkdir(parents=True)
+        target = ctx.path / "weights.safetensors"
+        save_file({k: v.contiguous() for k, v in ctx.model.state_dict().items() if "lm_head" not in k}, target)
+        return target
+
+
+class EverythingPlugin:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    @ftcore.hookimpl
+    def register_model_loaders(self, register):
+        register(TinyLoader)
+
+    @ftcore.hookimpl
+    def register_data_sources(self, register):
+        register(InlineChat)
+
+    @ftcore.hookimpl
+    def register_chat_templates(self, register):
+        register(PlainTemplate)
+
+    @ftcore.hookimpl
+    def register_adapters(self, register):
+        register(HeadOnly)
+
+    @ftcore.hookimpl
+    def register_quantizers(self, register):
+        register(MarkingQuantizer)
+
+    @ftcore.hookimpl
+    def register_trainers(self, register):
+        register(LoopTrainer)
+
+    @ftcore.hookimpl
+    def register_evaluators(self, register):
+        register(RowCount)
+
+    @ftcore.hookimpl
+    def register_exporters(self, register):
+        register(StateDictExporter)
+
+    @ftcore.hookimpl
+    def ftcore_run_start(self, run):
+        self.calls.append(("run_start", run.run_dir.name))
+
+    @ftcore.hookimpl
+    def ftcore_stage_start(self, run, stage):
+        self.calls.append(("stage_start", stage))
+
+    @ftcore.hookimpl
+    def ftcore_stage_end(self, run, stage, metrics, seconds):
+        assert seconds >= 0
+        self.calls.append(("stage_end", stage))
+
+    @ftcore.hookimpl
+    def ftcore_log(self, run, stage, step, metrics):
+        self.calls.append(("log", stage, step))
+
+    @ftcore.hookimpl
+    def ftcore_run_end(self, run, error):
+        self.calls.append(("run_end", error))
+
+
+class BrokenTracker:
+    @ftcore.hookimpl
+    def ftcore_log(self, run, stage, step, metrics):
+        raise ConnectionError("tracker unreachable")
+
+
+PLAN = """
+[run]
+name = "hooks"
+
+[model]
+use = "tiny"
+
+[quantizer]
+use = "marking"
+
+[template]
+use = "plain"
+
+[data.train]
+use = "inline-chat"
+
+[data.held_out]
+use = "inline-chat"
+rows = 5
+seed = 9
+
+[[stage]]
+name = "head"
+trainer = "loop"
+data = "train"
+adapter = "head-only"
+
+[[evaluate]]
+use = "row-count"
+data = "held_out"
+
+[[export]]
+use = "state-dict"
+"""
+
+
+def test_a_plugin_can_replace_every_kind_and_observe_the_run(tmp_path, capsys):
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from ftcore.plan import load_plan
+    from ftcore.plugins import PluginInfo, get_plugin_manager
+    from ftcore.runner import Runner
+
+    pm = get_plugin_manager(entry_points=False)
+    plugin = EverythingPlugin()
+    pm.add_plugin(plugin, PluginInfo("everything", "everything-dist", "1.0", "entry point"))
+    pm.add_plugin(BrokenTracker(), PluginInfo("broken-tracker", "tracker-dist", "0.1", "entry point"))
+    pm.check_pending()
+    assert not pm.registry().problems
+
+    plan_path = tmp_path / "plan.toml"
+    plan_path.write_text(PLAN)
+    plan = load_plan(plan_path, pm.registry())
+    assert plan.stages[0].trainer.reg.dist == "everything-dist"
+    summary = Runner(plan, pm, Console(file=open(tmp_path / "out.txt", "w"))).run()
+
+    stages = [c[1] for c in plugin.calls if c[0] == "stage_start"]
+    assert stages == ["load", "evaluate:before", "head", "evaluate:after", "export:state-dict"]
+    assert plugin.calls[0] == ("run_start", "hooks") and plugin.calls[-1] == ("run_end", None)
+    assert [c[1] for c in plugin.calls if c[0] == "stage_end"] == stages
+    assert sum(1 for c in plugin.calls if c[0] == "log" and c[1] == "head") == 30
+
+    metrics = summary["stages"]["head"]
+    assert metrics["last_loss"] < metrics["first_loss"]  # the custom trainer really trained
+    assert summary["evaluations"]["after"]["row-count"] == {"rows": 5}
+    weights = load_file(summary["exports"]["state-dict"])
+    assert any("embed_tokens" in k for k in weights)
+
+    # The broken tracker is reported once, by name, and the run still completed.
+    out = (tmp_path / "out.txt").read_text()
+    assert out.count("plugin 'broken-tracker' (tracker-dist 0.1) failed in ftcore_log") == 1
+    assert json.loads((tmp_path / "runs" / "hooks" / "manifest.json").read_text())["status"] == "complete"

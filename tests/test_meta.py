@@ -1,0 +1,67 @@
+"""Meta-tests, in the spirit of datasette's: every hook is documented and exercised,
+every built-in component and option is in the plan reference."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from conftest import ROOT
+
+from ftcore import hookspecs
+from ftcore.component import KINDS
+from ftcore.plugins import BUILTIN_PLUGINS, get_plugin_manager
+
+HOOKS = [name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+         if hasattr(fn, "ftcore_spec")]
+DOCS = (ROOT / "docs" / "writing-plugins.md").read_text() + (ROOT / "docs" / "architecture.md").read_text()
+REFERENCE = (ROOT / "docs" / "plan-reference.md").read_text()
+TESTS = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_meta.py")
+
+
+def test_there_is_a_registry_hook_per_kind_and_lifecycle_hooks():
+    assert {k.hook for k in KINDS.values()} <= set(HOOKS)
+    assert {"ftcore_run_start", "ftcore_stage_start", "ftcore_stage_end", "ftcore_log",
+            "ftcore_run_end"} <= set(HOOKS)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_typed_and_has_param_docs(hook):
+    fn = getattr(hookspecs, hook)
+    sig = inspect.signature(fn)
+    for name in sig.parameters:
+        assert f":param {name}:" in (fn.__doc__ or ""), f"{hook} does not document {name}"
+        assert sig.parameters[name].annotation is not inspect.Parameter.empty
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_documented(hook):
+    assert hook in DOCS, f"{hook} is not in docs/writing-plugins.md or docs/architecture.md"
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_hook_is_exercised_by_a_test(hook):
+    # Registry hooks are exercised by every run; lifecycle hooks need a test implementing them.
+    assert re.search(rf"\b{hook}\b", TESTS), f"no test implements or names {hook}"
+
+
+def test_every_builtin_plugin_registers_something_and_is_a_module_per_component():
+    pm = get_plugin_manager(entry_points=False)
+    registry = pm.registry()
+    assert not registry.problems
+    by_plugin: dict[str, int] = {}
+    for kind in KINDS:
+        for reg in registry.all(kind):
+            by_plugin[reg.plugin] = by_plugin.get(reg.plugin, 0) + 1
+    assert by_plugin == {name: 1 for name in BUILTIN_PLUGINS}
+
+
+def test_every_builtin_component_and_option_is_in_the_plan_reference():
+    registry = get_plugin_manager(entry_points=False).registry()
+    for kind in KINDS:
+        for reg in registry.all(kind):
+            assert f"`{reg.name}`" in REFERENCE or f'"{reg.name}"' in REFERENCE, reg.name
+            for option in reg.cls.Options.model_fields:
+                assert f"`{option}`" in REFERENCE, f"{kind} '{reg.name}' option '{option}' is undocumented"

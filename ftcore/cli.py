@@ -113,16 +113,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    table = Table(title="ftcore components", title_justify="left")
-    for col in ("kind", "name", "distribution", "plugin", "description"):
-        table.add_column(col, overflow="fold")
+    table = Table(box=None, padding=(0, 2), pad_edge=False)
+    table.add_column("component", no_wrap=True)
+    table.add_column("distribution", no_wrap=True, style="dim")  # plugin module paths are in --json
+    table.add_column("description", min_width=20, ratio=1)
     for kind, spec in KINDS.items():
-        regs = registry.all(kind)
-        if not regs:
-            table.add_row(spec.title, "[dim](none)[/]", "", "", "")
-        for i, r in enumerate(regs):
-            table.add_row(spec.title if i == 0 else "", r.name, f"{r.dist} {r.version}", r.plugin, r.description)
-        table.add_section()
+        table.add_row(f"[bold]{spec.title}[/]", "", "")
+        for r in registry.all(kind):
+            table.add_row(f"  [cyan]{r.name}[/]", f"{r.dist} {r.version}", r.description)
+        if not registry.all(kind):
+            table.add_row("  (none)", "", "")
     console.print(table)
     for conflict in registry.conflicts():
         console.print(f"[red]conflict:[/] {conflict}", highlight=False)

@@ -239,6 +239,11 @@ class _Checker:
             for path, messages in by_key.items():  # a union reports once per member: join them
                 self.problem(path, " or ".join(messages))
             return None
+        except Exception as exc:  # a validator that crashed: the plugin's bug, not the plan's
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self.problem(key, f"{reg.kind} '{reg.name}' from {reg.who()} failed validating its options: "
+                              f"{type(exc).__name__}: {first}")
+            return None
 
     # -- the plan ----------------------------------------------------------------------
     def check(self, raw: dict, path: Path) -> Plan | None:

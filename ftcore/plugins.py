@@ -91,8 +91,9 @@ class PluginManager(pluggy.PluginManager):
                 self.failures.append(f"{_who(info)} was not loaded: {hints or _one_line(exc)}")
 
     def notify(self, hook: str, **kwargs: object) -> list[str]:
-        """Call a lifecycle hook on every plugin. A plugin that raises is reported (once
-        per hook) and skipped: a broken tracker must not end a long training run."""
+        """Call a lifecycle hook on every plugin. A plugin that raises is reported, once
+        per plugin and hook, and the others still run: a broken tracker must not end a
+        long training run."""
         problems = []
         for impl in reversed(getattr(self.hook, hook).get_hookimpls()):  # pluggy's call order
             try:
@@ -101,7 +102,8 @@ class PluginManager(pluggy.PluginManager):
                 if (impl.plugin_name, hook) not in self._warned:
                     self._warned.add((impl.plugin_name, hook))
                     info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
-                    problems.append(f"{_who(info)} failed in {hook} (ignored from now on): {_one_line(exc)}")
+                    problems.append(f"{_who(info)} failed in {hook}: {_one_line(exc)} "
+                                    "(the run goes on; later failures of this hook are not reported)")
         return problems
 
     def registry(self) -> Registry:

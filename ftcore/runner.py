@@ -110,10 +110,11 @@ class Runner:
         last_done = -1
         while last_done + 1 < len(done) and done[last_done + 1]:
             last_done += 1
-        before = self._phase_pending("before")
-        after = self._phase_pending("after")
-        exports = [e for e in plan.exports if not self._export_done(e)]
         pending = plan.stages[last_done + 1:]
+        before = self._phase_pending("before")
+        # Anything measured or written after training is stale once a stage trains again.
+        after = self._phase_pending("after", stale=bool(pending))
+        exports = [e for e in plan.exports if pending or not self._export_done(e)]
         for stage in plan.stages[: last_done + 1]:
             self.steps.append(StepTime(stage.name, 0.0, skipped=True))
             self.stage_metrics[stage.name] = (done[stage.index] or {}).get("metrics", {})
@@ -266,10 +267,10 @@ class Runner:
     def _marker(self, stage: Stage) -> dict[str, Any] | None:
         return rundir.read_json(self.stage_dir(stage) / rundir.COMPLETE)
 
-    def _phase_pending(self, phase: str) -> bool:
+    def _phase_pending(self, phase: str, stale: bool = False) -> bool:
         wanted = any(e.when in (phase, "both") for e in self.plan.evaluations)
         stored = rundir.read_json(self.run_dir / "evaluations" / f"{phase}.json")
-        if stored is not None and self.resume:
+        if stored is not None and self.resume and not stale:
             self.evaluations[phase] = stored
             self.steps.append(StepTime(f"evaluate:{phase}", 0.0, skipped=True))
             return False

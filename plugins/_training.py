@@ -127,7 +127,32 @@ def quiet_library_progress_bars() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def to_dataset(columns: dict[str, list]) -> Any:
+def tokenize_splits(ctx: Any, *, max_length: int | None, train_on_inputs: bool = False) -> tuple[Any, Any]:
+    """Tokenize the stage's train and eval rows into ``input_ids``/``labels`` datasets,
+    reporting and recording what was kept, truncated and dropped."""
     import datasets
 
-    return datasets.Dataset.from_dict(columns)
+    from ftcore.errors import FtcoreError
+
+    from ._chat import encode
+
+    out = []
+    for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):
+        if rows is None:
+            out.append(None)
+            continue
+        columns, stats = encode(rows, ctx.tokenizer, ctx.template, max_length=max_length,
+                                train_on_inputs=train_on_inputs, reporter=ctx.reporter,
+                                description=f"tokenize {label}")
+        ctx.reporter.info(f"{label}: {stats.kept:,} samples, {stats.tokens:,} tokens, "
+                          f"{stats.label_tokens:,} trained on; {stats.truncated} truncated, "
+                          f"{stats.dropped_no_labels} dropped with nothing to learn")
+        ctx.reporter.log(ctx.stage, {f"data/{label}_samples": stats.kept, f"data/{label}_tokens": stats.tokens,
+                                     f"data/{label}_label_tokens": stats.label_tokens,
+                                     f"data/{label}_truncated": stats.truncated,
+                                     f"data/{label}_dropped": stats.dropped_no_labels})
+        if not stats.kept:
+            raise FtcoreError(f"stage {ctx.stage}: no {label} sample has a token to learn after masking "
+                              f"and truncation to max_length={max_length}")
+        out.append(datasets.Dataset.from_dict(columns))
+    return out[0], out[1]

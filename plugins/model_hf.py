@@ -14,8 +14,10 @@ from ftcore.errors import FtcoreError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-def resolve_model_path(value: str, info: ValidationInfo) -> str:
+def resolve_model_path(value: str | None, info: ValidationInfo) -> str | None:
     """A folder relative to the plan, if one is there; otherwise a hub id, left as is."""
+    if value is None:
+        return None
     base = Path((info.context or {}).get("base_dir", "."))
     candidate = (base / Path(value).expanduser())
     if candidate.exists():

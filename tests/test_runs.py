@@ -145,7 +145,8 @@ when = "before"
     marker = run / "my-notes.txt"
     marker.write_text("mine")
 
-    changed = tiny_project(plan.read_text().replace("seed = 7", "seed = 8"))
+    changed = tiny_project.dir / "changed.toml"
+    changed.write_text(plan.read_text().replace("seed = 7", "seed = 8"))  # same run name, other plan
     refused = run_cli("run", str(changed))
     assert refused.returncode == 2 and "different plan" in refused.stderr
     assert marker.read_text() == "mine"

@@ -1,0 +1,143 @@
+"""The `hf` model loader on a local folder with a real tokenizer and its native chat
+template, and a clear error for a model that cannot be reached."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import SHARED, chat_rows, run_cli, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def local_model(tmp_path):
+    folder = SHARED / "tokenizers" / "qwen25"
+    if not folder.exists():
+        pytest.skip("../shared/fixtures/tokenizers/qwen25 not present")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                                  max_position_embeddings=256, tie_word_embeddings=True,
+                                  eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    out = tmp_path / "base-model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_hf_loader_native_template_sft_and_merged_export(tmp_path, local_model):
+    from transformers import AutoModelForCausalLM
+
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+    plan = tmp_path / "plan.toml"
+    plan.write_text("""
+[run]
+name = "hf"
+
+[model]
+use = "hf"
+path = "base-model"
+dtype = "float32"
+
+[template]
+use = "native"
+
+[adapter]
+use = "lora"
+r = 4
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[stage]]
+trainer = "sft"
+data = "chat"
+max_steps = 4
+batch_size = 4
+learning_rate = 1e-2
+
+[[evaluate]]
+use = "perplexity"
+data = "chat"
+
+[[export]]
+use = "merged"
+""")
+    result = run_cli("run", str(plan))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "hf"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["evaluations"]["after"]["perplexity"]["perplexity"] < \
+        summary["evaluations"]["before"]["perplexity"]["perplexity"]
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["plan"]["model"]["path"] == "base-model"
+    assert "trust_remote_code" not in manifest["plan"]["model"]  # off, since the plan did not turn it on
+    from transformers import AutoTokenizer
+
+    merged = AutoModelForCausalLM.from_pretrained(run / "exports" / "merged")
+    tok = AutoTokenizer.from_pretrained(run / "exports" / "merged")
+    assert merged.config.vocab_size == AutoModelForCausalLM.from_pretrained(local_model).config.vocab_size
+    # The native template needed no new tokens, and the exported tokenizer renders it unchanged.
+    assert tok.chat_template == AutoTokenizer.from_pretrained(local_model).chat_template
+
+
+def test_unreachable_hub_id_is_one_clear_line(tmp_path):
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    plan = tmp_path / "plan.toml"
+    plan.write_text("""
+[model]
+use = "hf"
+path = "no-such-org/no-such-model"
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[evaluate]]
+use = "perplexity"
+data = "chat"
+""")
+    assert run_cli("validate", str(plan)).returncode == 0  # a hub id is valid where the network allows
+    result = run_cli("run", str(plan), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "model.path" in lines[0] and "no-such-org/no-such-model" in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_secrets_never_reach_the_manifest(tmp_path, local_model):
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    plan = tmp_path / "plan.toml"
+    plan.write_text("""
+[run]
+name = "secret"
+
+[model]
+use = "hf"
+path = "base-model"
+token = "hf_SECRET_value_123"
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[evaluate]]
+use = "perplexity"
+data = "chat"
+when = "before"
+""")
+    result = run_cli("run", str(plan), env={"HF_TOKEN": "hf_ENV_secret_456"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    for path in (tmp_path / "runs" / "secret").rglob("*"):
+        if path.is_file():
+            text = path.read_text(errors="ignore")
+            assert "hf_SECRET_value_123" not in text and "hf_ENV_secret_456" not in text, path

@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ EVALUATE_KEYS = ("name", "use", "data", "when")
 EXPORT_KEYS = ("name", "use", "path")
 WHEN = ("before", "after", "both")
 DEFAULTS = {"quantizer": "none", "template": "native", "adapter": "full"}
-_SECRET = re.compile(r"token|secret|password|passwd|api[_-]?key|credential", re.I)
+# "token", "hf_token", "api_key", ... but not "max_new_tokens".
+_SECRET = re.compile(r"(^|[_-])(token|secret|password|passwd|api[_-]?key|credentials?)$", re.I)
 _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")  # "tokenizer_data[0]: ..."
 
@@ -43,7 +44,6 @@ class Selected:
     key: str  # key path in the plan, for messages: "stage[0]", "data.chat"
     reg: Registration
     options: BaseModel
-    raw: dict[str, Any] = field(default_factory=dict)  # the section as written, for identity
 
     def create(self) -> Any:
         return self.reg.cls(self.options)
@@ -212,7 +212,7 @@ class _Checker:
         options = self.options(reg, key, options_raw, core_keys)
         if options is None:
             return None
-        return Selected(key, reg, options, section)
+        return Selected(key, reg, options)
 
     def options(self, reg: Registration, key: str, raw: dict, core_keys: tuple) -> BaseModel | None:
         model: type[BaseModel] = reg.cls.Options

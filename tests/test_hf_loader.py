@@ -134,9 +134,20 @@ path = "chat.jsonl"
 use = "perplexity"
 data = "chat"
 when = "before"
+max_length = 64
+
+[[evaluate]]
+use = "exact_match"
+data = "chat"
+when = "before"
+max_new_tokens = 4
 """)
     result = run_cli("run", str(plan), env={"HF_TOKEN": "hf_ENV_secret_456"})
     assert result.returncode == 0, result.stderr[-2000:]
+    manifest = json.loads((tmp_path / "runs" / "secret" / "manifest.json").read_text())
+    assert manifest["plan"]["model"]["token"] == "***"
+    assert manifest["plan"]["evaluate"][0]["max_length"] == 64  # only secret-looking keys are hidden
+    assert manifest["plan"]["evaluate"][1]["max_new_tokens"] == 4
     for path in (tmp_path / "runs" / "secret").rglob("*"):
         if path.is_file():
             text = path.read_text(errors="ignore")

@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
     plg = sub.add_parser("plugins", parents=[common], help="list installed components by kind and their plugins",
                          description="List every installed component, by kind, with the distribution providing it.")
     plg.add_argument("--json", action="store_true", help="machine-readable output")
+
+    cache = sub.add_parser("cache", parents=[common], help="show or clear the tokenized-data cache",
+                           description="The cache of tokenized datasets that runs share "
+                                       "(FTCORE_CACHE_DIR, default ~/.cache/ftcore).")
+    cache.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
     return parser
 
 
@@ -54,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import ComponentError, FtcoreError, PlanError
 
     try:
-        return {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins}[args.command](args)
+        commands = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "cache": cmd_cache}
+        return commands[args.command](args)
     except PlanError as exc:
         for line in exc.problems:
             print(line, file=sys.stderr)
@@ -137,6 +143,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
     stages = " -> ".join(f"{s.name} ({s.trainer.name}, {s.adapter.name})" for s in plan.stages) or "no stages"
     print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
           f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from . import cache
+
+    path = cache.cache_dir()
+    if args.action == "clear":
+        print(f"cleared {path}: freed {cache.clear(path) / 2**20:.1f} MiB")
+    else:
+        files, total = cache.size(path) if path.exists() else (0, 0)
+        print(f"{path}: {files} files, {total / 2**20:.1f} MiB")
     return 0
 
 

@@ -50,6 +50,31 @@ class Reporter:
         if self.console is not None:
             self.console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
+    def data_report(self, name: str, values: dict[str, Any]) -> None:
+        """Merge ``values`` under ``name`` into the run's data_report.json."""
+        if self.metrics_path is None:  # not the main rank
+            return
+        path = self.metrics_path.with_name("data_report.json")
+        report = json.loads(path.read_text()) if path.exists() else {}
+        report[name] = {**report.get(name, {}), **values}
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(path)
+        log.info("data %s: %s", name, json.dumps(values))
+
+    def table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """Print a small table (main rank only); floats get 4 significant digits."""
+        if self.console is None:
+            return
+        from rich.table import Table
+
+        table = Table(title=title, title_justify="left")
+        for i, col in enumerate(columns):
+            table.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+        self.console.print(table)
+
     def log(self, stage: str, metrics: dict[str, Any], step: int | None = None) -> None:
         """Record metrics: one line in metrics.jsonl and a ``ftcore_log`` hook call."""
         clean = {k: _number(v) for k, v in metrics.items()}

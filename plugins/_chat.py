@@ -1,25 +1,28 @@
-"""Turning rows of the internal schema into token ids and loss labels.
+"""Turning rows of the internal schema (docs/data.md) into token ids and loss labels.
 
-Internal schema (what data sources produce):
+* chat rows (``messages``) are rendered by the chat template and trained on their
+  assistant turns only (unless ``train_on_inputs``);
+* completion rows (``prompt`` + ``completion``) are used as plain text, trained on the
+  completion and the EOS token after it;
+* text rows (``text``) are trained on every token, with EOS appended.
 
-* chat rows: ``{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}``
-* text rows: ``{"text": str}``
-
-Assistant-only labels come from character spans: the template renders the whole
-conversation once, each assistant turn's span is found by rendering the prefix before
-it (with the generation prompt) and the conversation up to it, and tokens whose offset
-starts inside a span are labelled. This labels every assistant turn, and the end-of-turn
+Assistant spans come from characters: the template renders the conversation once,
+each assistant turn's span is found by rendering the prefix before it (with the
+generation prompt) and the conversation up to it, and tokens whose first character
+lies inside a span are labelled. This labels every assistant turn and the end-of-turn
 token that closes it, whatever the pad token is.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ftcore.errors import FtcoreError
 
 IGNORE = -100
+Truncation = Literal["truncate_response", "truncate_prompt", "drop"]
 
 
 def render_with_spans(template: Any, messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
@@ -43,62 +46,148 @@ class EncodeStats:
     rows: int = 0
     kept: int = 0
     truncated: int = 0
+    dropped_too_long: int = 0
     dropped_no_labels: int = 0
     tokens: int = 0
     label_tokens: int = 0
-    extra: dict = field(default_factory=dict)
+    lengths: list[int] = field(default_factory=list)  # kept samples' token counts
+
+    def summary(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if k != "lengths"}
+        if self.lengths:
+            ordered = sorted(self.lengths)
+            for p in (50, 90, 99):
+                out[f"length_p{p}"] = ordered[min(len(ordered) - 1, (p * len(ordered)) // 100)]
+            out["length_max"] = ordered[-1]
+        return out
+
+
+def row_text(row: dict, tokenizer: Any, template: Any, train_on_inputs: bool,
+             add_eos_to_text: bool) -> tuple[str, list[tuple[int, int]] | None]:
+    """The text to tokenize and the character spans to train on (None: all of it)."""
+    if row.get("messages"):
+        text, spans = render_with_spans(template, row["messages"], tokenizer)
+        return text, None if train_on_inputs else spans
+    eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
+    if row.get("completion") is not None and isinstance(row.get("prompt"), str):
+        text = row["prompt"] + row["completion"] + eos
+        return text, None if train_on_inputs else [(len(row["prompt"]), len(text))]
+    if row.get("text") is not None:
+        return row["text"] + eos, None
+    raise FtcoreError(f"a row has none of 'messages', 'prompt'+'completion' or 'text' (it has: {', '.join(row)})")
+
+
+def label_spans(ids: list[int], spans: list[tuple[int, int]] | None, token_at: Any) -> list[int]:
+    """Labels for ``ids``: the token ids inside ``spans``, IGNORE elsewhere.
+
+    ``token_at(char)`` gives the index of the token covering a character. A token is
+    inside a span when its first character is: a token merged across the span's start
+    belongs to the prompt.
+    """
+    if spans is None:
+        return list(ids)
+    labels = [IGNORE] * len(ids)
+    for a, b in spans:
+        if a >= b:
+            continue
+        first = token_at(a)
+        if first is not None and token_at.start(first) < a:
+            first += 1
+        last = token_at(b - 1)
+        if first is None or last is None or first > last:
+            continue
+        labels[first:last + 1] = ids[first:last + 1]
+    return labels
+
+
+class _Offsets:
+    """char -> token lookups for one sequence, from a fast tokenizer's Encoding or an offset list."""
+
+    def __init__(self, encoding: Any = None, offsets: list[tuple[int, int]] | None = None):
+        self.encoding, self.offsets = encoding, offsets
+        if offsets is not None:
+            import bisect
+
+            self._starts = [s for s, _ in offsets]
+            self._bisect = bisect.bisect_right
+
+    def __call__(self, char: int) -> int | None:
+        if self.encoding is not None:
+            token = self.encoding.char_to_token(char)
+            if token is None:  # a character no token covers (e.g. stripped whitespace): the next token
+                token = next((self.encoding.char_to_token(c) for c in range(char + 1, char + 8)
+                              if self.encoding.char_to_token(c) is not None), None)
+            return token
+        i = self._bisect(self._starts, char) - 1
+        return i if i >= 0 else None
+
+    def start(self, token: int) -> int:
+        return (self.encoding.token_to_chars(token) if self.encoding is not None else self.offsets[token])[0]
 
 
 def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, train_on_inputs: bool = False,
-           add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
-           batch: int = 512) -> tuple[dict[str, list], EncodeStats]:
-    """Tokenize rows into ``input_ids`` and ``labels`` lists. Chat rows are labelled on
-    assistant turns only (unless ``train_on_inputs``); text rows on every token."""
+           truncation: Truncation = "truncate_response", add_eos_to_text: bool = True, reporter: Any = None,
+           description: str = "tokenize", batch: int = 1000) -> tuple[dict[str, list], EncodeStats]:
+    """Tokenize rows into ``input_ids`` and ``labels`` lists, applying ``max_length`` by
+    ``truncation``: cut the end of the response, cut the oldest prompt tokens from the
+    left, or drop the sample. Samples left with nothing to learn are dropped and counted."""
     stats = EncodeStats()
     out: dict[str, list] = {"input_ids": [], "labels": []}
-    n = len(rows)
-    with (reporter.progress(description, n) if reporter else _null()) as bar:
-        for start in range(0, n, batch):
-            chunk = rows[start:start + batch]
-            chunk = [dict(zip(chunk, values)) for values in zip(*chunk.values())] if isinstance(chunk, dict) \
-                else list(chunk)
-            texts, spans = [], []
-            for row in chunk:
-                if row.get("messages"):
-                    text, sp = render_with_spans(template, row["messages"], tokenizer)
-                    texts.append(text)
-                    spans.append(None if train_on_inputs else sp)
-                elif row.get("text") is not None:
-                    eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
-                    texts.append(row["text"] + eos)
-                    spans.append(None)
-                else:
-                    raise FtcoreError(f"row {start + len(texts)} has neither 'messages' nor 'text'")
-            enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-            for ids, offsets, sp in zip(enc["input_ids"], enc["offset_mapping"], spans):
-                stats.rows += 1
-                if sp is None:
-                    labels = list(ids)
-                else:
-                    labels = [t if any(a <= s < b for a, b in sp) else IGNORE for t, (s, _) in zip(ids, offsets)]
-                if max_length is not None and len(ids) > max_length:
-                    ids, labels = ids[:max_length], labels[:max_length]
-                    stats.truncated += 1
-                n_labels = sum(1 for x in labels if x != IGNORE)
-                if n_labels == 0:
-                    stats.dropped_no_labels += 1
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when there is one
+
+    def render(start: int) -> tuple[list[str], list]:
+        chunk = rows[start:start + batch]
+        chunk = [dict(zip(chunk, values)) for values in zip(*chunk.values())] if isinstance(chunk, dict) \
+            else list(chunk)
+        pairs = [row_text(r, tokenizer, template, train_on_inputs, add_eos_to_text) for r in chunk]
+        return [t for t, _ in pairs], [sp for _, sp in pairs]
+
+    def tokenize(texts: list[str]) -> list[tuple[list[int], _Offsets]]:
+        if backend is not None:
+            return [(e.ids, _Offsets(encoding=e)) for e in backend.encode_batch(texts, add_special_tokens=False)]
+        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        return [(ids, _Offsets(offsets=off)) for ids, off in zip(enc["input_ids"], enc["offset_mapping"])]
+
+    def label(encoded: list[tuple[list[int], _Offsets]], spans: list) -> None:
+        for (ids, lookup), sp in zip(encoded, spans):
+            stats.rows += 1
+            labels = label_spans(ids, sp, lookup)
+            if max_length is not None and len(ids) > max_length:
+                if truncation == "drop":
+                    stats.dropped_too_long += 1
                     continue
-                out["input_ids"].append(list(ids))
-                out["labels"].append(labels)
-                stats.kept += 1
-                stats.tokens += len(ids)
-                stats.label_tokens += n_labels
-            if reporter:
-                bar.advance(len(chunk))
+                keep = slice(None, max_length) if truncation == "truncate_response" else slice(-max_length, None)
+                ids, labels = ids[keep], labels[keep]
+                stats.truncated += 1
+            n_labels = len(labels) - labels.count(IGNORE)
+            if n_labels == 0:
+                stats.dropped_no_labels += 1
+                continue
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            stats.kept += 1
+            stats.tokens += len(ids)
+            stats.label_tokens += n_labels
+            stats.lengths.append(len(ids))
+
+    # The Rust tokenizer releases the GIL: batch k+1 is rendered and encoded while batch k
+    # is labelled, so the Python work overlaps the tokenizer's.
+    with (reporter.progress(description, len(rows)) if reporter else _NoProgress()) as bar, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        queued = None
+        for start in [*range(0, len(rows), batch), None]:
+            following = None
+            if start is not None:
+                texts, spans = render(start)
+                following = (pool.submit(tokenize, texts), spans)
+            if queued is not None:
+                label(queued[0].result(), queued[1])
+                bar.advance(len(queued[1]))
+            queued = following
     return out, stats
 
 
-class _null:
+class _NoProgress:
     def __enter__(self):
         return self
 

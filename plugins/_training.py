@@ -64,7 +64,6 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     from transformers import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
-    quiet_library_progress_bars()
     cuda = torch.cuda.is_available()
     precision = o.precision
     if precision == "auto":
@@ -118,41 +117,37 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     return metrics
 
 
-def quiet_library_progress_bars() -> None:
-    """ftcore draws its own bars; the libraries' tqdm bars would interleave with them."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-
-
-def tokenize_splits(ctx: Any, *, max_length: int | None, train_on_inputs: bool = False) -> tuple[Any, Any]:
-    """Tokenize the stage's train and eval rows into ``input_ids``/``labels`` datasets,
-    reporting and recording what was kept, truncated and dropped."""
-    import datasets
-
+def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "truncate_response",
+                    train_on_inputs: bool = False, batch_size: int = 8,
+                    packed_length: int | None = None) -> tuple[Any, Any]:
+    """Tokenize the stage's train and eval rows (cached), and report what was kept,
+    truncated and dropped, the length percentiles and, for ``packed_length``, packing."""
     from ftcore.errors import FtcoreError
 
-    from ._chat import encode
+    from ._prepare import packing_report, prepare
 
-    out = []
+    out, shown = [], []
     for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):
         if rows is None:
             out.append(None)
             continue
-        columns, stats = encode(rows, ctx.tokenizer, ctx.template, max_length=max_length,
-                                train_on_inputs=train_on_inputs, reporter=ctx.reporter,
-                                description=f"tokenize {label}")
-        ctx.reporter.info(f"{label}: {stats.kept:,} samples, {stats.tokens:,} tokens, "
-                          f"{stats.label_tokens:,} trained on; {stats.truncated} truncated, "
-                          f"{stats.dropped_no_labels} dropped with nothing to learn")
-        ctx.reporter.log(ctx.stage, {f"data/{label}_samples": stats.kept, f"data/{label}_tokens": stats.tokens,
-                                     f"data/{label}_label_tokens": stats.label_tokens,
-                                     f"data/{label}_truncated": stats.truncated,
-                                     f"data/{label}_dropped": stats.dropped_no_labels})
-        if not stats.kept:
-            raise FtcoreError(f"stage {ctx.stage}: no {label} sample has a token to learn after masking "
-                              f"and truncation to max_length={max_length}")
-        out.append(datasets.Dataset.from_dict(columns))
+        prepared = prepare(rows, ctx.tokenizer, ctx.template, max_length=max_length, truncation=truncation,
+                           train_on_inputs=train_on_inputs, reporter=ctx.reporter,
+                           description=f"tokenize {label}")
+        stats = dict(prepared.stats, cache="hit" if prepared.cache_hit else "miss")
+        if packed_length and stats["kept"]:
+            stats.update(packing_report(prepared.dataset, packed_length, batch_size))
+        ctx.reporter.data_report(f"{ctx.stage}/{label}", stats)
+        ctx.reporter.log(ctx.stage, {f"data/{label}_{k}": v for k, v in stats.items() if k != "cache"})
+        shown.append([label, stats["rows"], stats["kept"], stats["truncated"],
+                      stats["dropped_too_long"] + stats["dropped_no_labels"], stats["tokens"],
+                      stats["label_tokens"], f"{stats.get('length_p50', 0)}/{stats.get('length_p90', 0)}/"
+                      f"{stats.get('length_max', 0)}", stats["cache"]])
+        if not stats["kept"]:
+            raise FtcoreError(f"stage {ctx.stage}: no {label} sample is left with a token to learn after "
+                              f"masking and max_length={max_length} ({truncation}); see data_report.json")
+        out.append(prepared.dataset)
+    ctx.reporter.table(f"data for stage {ctx.stage} (data_report.json has more)",
+                       ["split", "rows", "kept", "trunc.", "dropped", "tokens", "trained", "length", "cache"],
+                       shown)
     return out[0], out[1]

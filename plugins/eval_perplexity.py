@@ -13,7 +13,8 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
-from ._chat import IGNORE, encode
+from ._chat import IGNORE
+from ._prepare import prepare
 
 
 def score(model, tokenizer, columns, batch_size: int, progress=None) -> tuple[float, int]:
@@ -62,8 +63,10 @@ class Perplexity(Component):
     def evaluate(self, ctx):
         if ctx.data is None:
             raise FtcoreError("evaluator 'perplexity' needs data: set data = \"<name>\" in its [[evaluate]]")
-        columns, stats = encode(ctx.data, ctx.tokenizer, ctx.template, max_length=self.options.max_length)
-        with ctx.reporter.progress(f"perplexity ({ctx.phase})", stats.kept) as bar:
+        prepared = prepare(ctx.data, ctx.tokenizer, ctx.template, max_length=self.options.max_length,
+                           reporter=ctx.reporter, description="tokenize")
+        columns = prepared.dataset.to_dict()
+        with ctx.reporter.progress(f"perplexity ({ctx.phase})", len(columns["input_ids"])) as bar:
             nll, tokens = score(ctx.model, ctx.tokenizer, columns, self.options.batch_size, bar)
         if tokens == 0:
             raise FtcoreError("evaluator 'perplexity': the data has no token to score")

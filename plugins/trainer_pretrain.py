@@ -22,7 +22,7 @@ class PretrainTrainer(Component):
         if "text" not in ctx.train_data.column_names:
             raise FtcoreError(f"stage {ctx.stage}: trainer 'pretrain' needs plain-text rows; "
                               "this data is chat: use trainer = \"sft\"")
-        train, evaluation = tokenize_splits(ctx, max_length=None)  # whole documents; packing cuts blocks
+        train, evaluation = tokenize_splits(ctx, max_length=None, batch_size=o.batch_size)  # packing cuts blocks
         # "wrapped" packing: concatenate documents and cut max_length blocks, no padding.
         return run_trl(ctx, o, train, evaluation, packing=True, packing_strategy="wrapped")
 

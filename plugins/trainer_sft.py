@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
@@ -16,14 +18,20 @@ class SFTTrainer(Component):
 
     class Options(TrainOptions):
         train_on_inputs: bool = False  # also train on system/user tokens
+        truncation: Literal["truncate_response", "truncate_prompt", "drop"] = "truncate_response"
+        packing: bool = False  # best-fit packing, position ids reset per sample (no cross-sample attention)
 
     def train(self, ctx):
         o = self.options
-        if "messages" not in ctx.train_data.column_names:
-            raise FtcoreError(f"stage {ctx.stage}: trainer 'sft' needs chat rows (messages, Alpaca, ...); "
-                              "this data is plain text: use trainer = \"pretrain\"")
-        train, evaluation = tokenize_splits(ctx, max_length=o.max_length, train_on_inputs=o.train_on_inputs)
-        return run_trl(ctx, o, train, evaluation, packing=False)
+        columns = set(ctx.train_data.column_names)
+        if "messages" not in columns and not {"prompt", "completion"} <= columns:
+            raise FtcoreError(f"stage {ctx.stage}: trainer 'sft' needs chat rows (messages, Alpaca, ShareGPT, ...) "
+                              f"or prompt/completion rows; this data has {', '.join(sorted(columns))}"
+                              + ("; for plain text use trainer = \"pretrain\"" if "text" in columns else ""))
+        train, evaluation = tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,
+                                            train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
+                                            packed_length=o.max_length)
+        return run_trl(ctx, o, train, evaluation, packing=o.packing, packing_strategy="bfd")
 
 
 @ftcore.hookimpl

@@ -14,6 +14,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    """Tests (and the CLI runs they start) use a cache of their own, never the user's."""
+    os.environ["FTCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ftcore-cache"))
+    yield
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run ``python -m ftcore ARGS`` in a subprocess, as a user would."""
     full_env = {**os.environ, **(env or {})}

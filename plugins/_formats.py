@@ -1,0 +1,590 @@
+"""Row formats: one raw row (a dict) -> one row of the internal schema (see docs/data.md).
+
+Pure Python, no heavy imports at module level. :func:`convert` handles one row and raises
+:class:`RowError` (a ``ValueError``) with a one-line message naming the field;
+:func:`convert_batch` is the batched form for ``datasets.Dataset.map(batched=True)``: it
+never raises for a bad row, it records the problem in an ``__error`` column so the
+caller can report the first one (deterministically, whatever ``num_proc`` is) or skip
+them all.
+
+Formats (``format = "..."``) and what they produce:
+
+=====================  ==============================================  ======================
+format                 fields                                          kind
+=====================  ==============================================  ======================
+``alpaca``             instruction, input?, output, system?, history?  chat
+``sharegpt``           conversations (from/value), system?, tools?     chat
+``messages``           messages (role/content), tools?                 chat
+``prompt_completion``  prompt, completion                              completion or chat
+``preference``         prompt, chosen, rejected                        preference
+``sharegpt_preference``  conversations, chosen, rejected               preference
+``implicit_preference``  chosen, rejected (whole conversations)        preference
+``kto``                label + messages / conversations / prompt+completion   unpaired_preference
+``text``               text                                            text
+=====================  ==============================================  ======================
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+# ShareGPT "from" values and the role each becomes.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "function_call": "assistant", "observation": "tool", "tool": "tool"}
+
+FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "preference", "sharegpt_preference",
+           "implicit_preference", "kto", "text")
+ALIASES = {"openai": "messages"}  # other names accepted for a format
+FORMAT_NAMES = ("auto", *FORMATS, *ALIASES)
+
+KINDS = ("chat", "completion", "preference", "unpaired_preference", "text")
+# The columns of each kind, in order (chat's `tools` is dropped again when no row has tools).
+KIND_COLUMNS = {
+    "chat": ("messages", "tools"),
+    "completion": ("prompt", "completion"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "unpaired_preference": ("prompt", "completion", "label"),
+    "text": ("text",),
+}
+INTERNAL_COLUMNS = ("messages", "tools", "prompt", "completion", "chosen", "rejected", "label", "text")
+MESSAGE_COLUMNS = ("messages", "prompt", "chosen", "rejected", "completion")  # when they hold message lists
+MESSAGE_KEYS = ("role", "content", "tool_calls", "name")
+
+# Our field names: what `columns = { <ours> = "<theirs>" }` may map.
+FIELDS = ("instruction", "input", "output", "system", "history", "conversations", "tools", "messages", "prompt",
+          "completion", "chosen", "rejected", "label", "text")
+
+ERROR_COLUMN = "__error"
+FORMAT_COLUMN = "__format"
+# Rows that are skipped and counted even with on_error = "error": they are valid, but teach nothing.
+ALWAYS_SKIP = ("identical_chosen_rejected", "empty_text")
+_SEP = "\x1f"
+
+
+class RowError(ValueError):
+    """A row that cannot be converted. ``reason`` is a short stable key for statistics
+    (``missing_field``, ``wrong_type``, ...); ``field`` is the field at fault, if one is."""
+
+    def __init__(self, message: str, reason: str = "invalid_row", field: str | None = None):
+        super().__init__(message)
+        self.reason = reason
+        self.field = field
+
+    def __reduce__(self):  # picklable across datasets' worker processes
+        return (type(self), (str(self), self.reason, self.field))
+
+    def encode(self) -> str:
+        return _SEP.join((self.reason, self.field or "", str(self)))
+
+    @classmethod
+    def decode(cls, text: str) -> RowError:
+        reason, field, message = text.split(_SEP, 2)
+        return cls(message, reason, field or None)
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def _present(row: Mapping, key: str) -> bool:
+    return row.get(key) is not None
+
+
+def _fields(row: Mapping) -> str:
+    return ", ".join(k for k, v in row.items() if v is not None and not k.startswith("__")) or "none"
+
+
+def _kind_of_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", list: "a list", tuple: "a list", dict: "an object", int: "a number",
+            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+class _Ctx:
+    """What the helpers need to write good messages: the row and the column mapping."""
+
+    __slots__ = ("row", "columns", "fmt", "explicit")
+
+    def __init__(self, row: Mapping, columns: Mapping[str, str], fmt: str, explicit: bool):
+        self.row, self.columns, self.fmt, self.explicit = row, columns, fmt, explicit
+
+    def missing(self, field: str) -> RowError:
+        if field in self.row and field not in self.columns:
+            hint = f"(it is empty or null in this row; fields: {_fields(self.row)})"
+        elif field in self.columns:
+            hint = f"(mapped from the file's {self.columns[field]!r}, which is empty or absent in this row)"
+        else:
+            hint = f"(fields: {_fields(self.row)}); map it with columns = {{ {field} = \"...\" }}"
+        if not self.explicit:
+            hint += f" or set format = \"...\" (read as {self.fmt!r} from the fields)"
+        return RowError(f"missing field {field!r} {hint}", "missing_field", field)
+
+    def wrong_type(self, field: str, expected: str, value: Any) -> RowError:
+        return RowError(f"field {field!r} must be {expected}, got {_kind_of_value(value)}", "wrong_type",
+                        field.split("[", 1)[0].split(".", 1)[0])
+
+    def string(self, field: str, required: bool = True) -> str | None:
+        value = self.row.get(field)
+        if value is None:
+            if required:
+                raise self.missing(field)
+            return None
+        if not isinstance(value, str):
+            raise self.wrong_type(field, "a string", value)
+        return value
+
+
+def _json_text(value: Any, field: str, ctx: _Ctx) -> str | None:
+    """Tool definitions and tool calls are stored as JSON strings; empty ones as None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip() in ("", "[]", "{}", "null"):
+            return None
+        try:
+            json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise RowError(f"field {field!r} is not valid JSON: {exc.msg} (column {exc.colno})", "wrong_type",
+                           field.split("[", 1)[0]) from None
+        return value
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False) if value else None
+    raise ctx.wrong_type(field, "a JSON string, a list or an object", value)
+
+
+def _content(value: Any, where: str, ctx: _Ctx, allow_empty: bool) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        if allow_empty:
+            return ""
+        raise RowError(f"missing field '{where}.content' (message fields: "
+                       f"{_fields(_get_message(ctx, where))})", "missing_field", where.split("[", 1)[0])
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)  # OpenAI content parts, text only
+    raise ctx.wrong_type(f"{where}.content", "a string (or a list of text parts)", value)
+
+
+def _get_message(ctx: _Ctx, where: str) -> Mapping:
+    try:
+        field, rest = where.split("[", 1)
+        return ctx.row[field][int(rest.split("]", 1)[0])]
+    except Exception:
+        return {}
+
+
+def _tool_calls(value: str, where: str) -> list[dict]:
+    """A ShareGPT function_call value -> OpenAI-style tool calls."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise RowError(f"'{where}.value' of a function_call turn must be JSON like "
+                       f"{{\"name\": ..., \"arguments\": ...}}: {exc.msg} (column {exc.colno})",
+                       "wrong_type", where.split("[", 1)[0]) from None
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise RowError(f"'{where}.value' of a function_call turn must hold {{\"name\": string, "
+                           f"\"arguments\": ...}} (or a list of them)", "wrong_type", where.split("[", 1)[0])
+        out.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
+    return out
+
+
+def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True) -> list[dict]:
+    """A list of messages, each ``{role, content}`` (OpenAI) or ``{from, value}`` (ShareGPT)."""
+    if value is None:
+        raise ctx.missing(field)
+    if not isinstance(value, (list, tuple)):
+        raise ctx.wrong_type(field, "a list of messages", value)
+    if not value and nonempty:
+        raise RowError(f"empty conversation: {field!r} has no messages", "empty_conversation", field)
+    out: list[dict] = []
+    pending_names: list[str] = []  # tool names of the last function_call, for the observations after it
+    for i, m in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(m, Mapping):
+            raise ctx.wrong_type(where, "a message object", m)
+        if m.get("from") is not None or (m.get("role") is None and "value" in m):
+            tag = m.get("from")
+            if tag is None:
+                raise RowError(f"missing field '{where}.from' (message fields: {_fields(m)})", "missing_field", field)
+            if tag not in SHAREGPT_ROLES:
+                raise RowError(f"unknown role {tag!r} in '{where}.from' (expected one of: "
+                               f"{', '.join(SHAREGPT_ROLES)})", "unknown_role", field)
+            text = m.get("value")
+            if not isinstance(text, str):
+                if text is None:
+                    raise RowError(f"missing field '{where}.value' (message fields: {_fields(m)})",
+                                   "missing_field", field)
+                raise ctx.wrong_type(f"{where}.value", "a string", text)
+            role = SHAREGPT_ROLES[tag]
+            if tag == "function_call":
+                calls = _tool_calls(text, where)
+                pending_names = [c["function"]["name"] for c in calls]
+                encoded = json.dumps(calls, ensure_ascii=False)
+                if out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
+                    out[-1]["tool_calls"] = encoded  # "I'll look that up" + the call: one turn
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": encoded})
+                continue
+            message = {"role": role, "content": text}
+            if role == "tool" and pending_names:
+                message["name"] = pending_names.pop(0)
+            out.append(message)
+            continue
+        role = m.get("role")
+        if role is None:
+            raise RowError(f"missing field '{where}.role' (message fields: {_fields(m)}); messages need "
+                           "{\"role\", \"content\"} or ShareGPT's {\"from\", \"value\"}", "missing_field", field)
+        if role not in ROLES:
+            raise RowError(f"unknown role {role!r} in '{where}.role' (expected one of: {', '.join(ROLES)})",
+                           "unknown_role", field)
+        calls = _json_text(m.get("tool_calls"), f"{where}.tool_calls", ctx)
+        if calls is not None and role != "assistant":
+            raise RowError(f"'{where}' has tool_calls but is a {role} turn; only assistant turns call tools",
+                           "wrong_type", field)
+        message = {"role": role, "content": _content(m.get("content"), where, ctx, allow_empty=calls is not None)}
+        if calls is not None:
+            message["tool_calls"] = calls
+        if role == "tool":
+            name = m.get("name")
+            if name is not None:
+                if not isinstance(name, str):
+                    raise ctx.wrong_type(f"{where}.name", "a string", name)
+                message["name"] = name
+            elif pending_names:
+                message["name"] = pending_names.pop(0)
+        if calls is not None:
+            pending_names = _call_names(calls)
+        out.append(message)
+    return out
+
+
+def _call_names(calls: str) -> list[str]:
+    try:
+        parsed = json.loads(calls)
+        parsed = parsed if isinstance(parsed, list) else [parsed]
+        names = []
+        for c in parsed:
+            fn = c.get("function", c) if isinstance(c, dict) else {}
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                names.append(fn["name"])
+        return names
+    except (ValueError, AttributeError):
+        return []
+
+
+def _system(ctx: _Ctx) -> list[dict]:
+    system = ctx.string("system", required=False)
+    return [{"role": "system", "content": system}] if system else []
+
+
+def _answer(value: Any, field: str, ctx: _Ctx) -> list[dict]:
+    """A preference answer: a string (one assistant turn), one message, or a list of messages."""
+    if value is None:
+        raise ctx.missing(field)
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, Mapping):
+        return _messages([value], field, ctx)
+    return _messages(value, field, ctx)
+
+
+def _prompt(value: Any, field: str, ctx: _Ctx) -> list[dict]:
+    """A prompt: a string (one user turn) or a list of messages."""
+    if value is None:
+        raise ctx.missing(field)
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return _messages(value, field, ctx)
+
+
+def _label(ctx: _Ctx, strings: bool) -> bool:
+    value = ctx.row.get("label")
+    if value is None:
+        raise ctx.missing("label")
+    if isinstance(value, bool):
+        return value
+    if strings and isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")  # CSV has no booleans
+    raise RowError(f"field 'label' must be a boolean (true = desirable, false = undesirable), got "
+                   f"{_kind_of_value(value)} {value!r}", "label_not_bool", "label")
+
+
+def _distinct(chosen: list[dict], rejected: list[dict]) -> None:
+    if chosen == rejected:
+        raise RowError("'chosen' and 'rejected' are identical, so the pair teaches nothing",
+                       "identical_chosen_rejected", "chosen")
+
+
+# -- detection ---------------------------------------------------------------------------------------
+
+DETECTION = (
+    # (format, fields that must all be present, any of these too (or none))
+    ("kto", ("label",), ("messages", "conversations", "completion")),
+    ("sharegpt_preference", ("conversations", "chosen", "rejected"), ()),
+    ("preference", ("prompt", "chosen", "rejected"), ()),
+    ("implicit_preference", ("chosen", "rejected"), ()),
+    ("sharegpt", ("conversations",), ()),
+    ("messages", ("messages",), ()),
+    ("alpaca", ("instruction",), ()),
+    ("prompt_completion", ("prompt", "completion"), ()),
+    ("text", ("text",), ()),
+)
+
+
+def detect(row: Mapping) -> str:
+    """The format of a row from its non-null fields; first match in :data:`DETECTION` wins."""
+    for fmt, required, any_of in DETECTION:
+        if all(_present(row, f) for f in required) and (not any_of or any(_present(row, f) for f in any_of)):
+            return fmt
+    raise RowError(f"cannot tell the row's format from its fields ({_fields(row)}); map them to our field "
+                   f"names with columns = {{ <ours> = \"<theirs>\" }} (ours: {', '.join(FIELDS)}) or set "
+                   f"format = \"...\" ({', '.join(FORMATS)})", "unknown_format", None)
+
+
+# -- conversions --------------------------------------------------------------------------------------
+
+def _alpaca(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    instruction = ctx.string("instruction")
+    output = ctx.string("output")
+    context = ctx.string("input", required=False)
+    messages = _system(ctx)
+    history = ctx.row.get("history")
+    if history is not None:
+        if not isinstance(history, (list, tuple)):
+            raise ctx.wrong_type("history", "a list of [user, assistant] pairs", history)
+        for i, pair in enumerate(history):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
+                raise ctx.wrong_type(f"history[{i}]", "a [user, assistant] pair of strings", pair)
+            messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    # `input` is context for the instruction: after it, separated by a blank line.
+    prompt = f"{instruction}\n\n{context}" if context else instruction
+    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    return "chat", {"messages": messages}
+
+
+def _tools(ctx: _Ctx) -> str | None:
+    return _json_text(ctx.row.get("tools"), "tools", ctx)
+
+
+def _sharegpt(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    messages = _system(ctx) + _messages(ctx.row.get("conversations"), "conversations", ctx)
+    return "chat", {"messages": messages, "tools": _tools(ctx)}
+
+
+def _openai(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    messages = _system(ctx) + _messages(ctx.row.get("messages"), "messages", ctx)
+    return "chat", {"messages": messages, "tools": _tools(ctx)}
+
+
+def _prompt_completion(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    prompt, completion = ctx.row.get("prompt"), ctx.row.get("completion")
+    if prompt is None:
+        raise ctx.missing("prompt")
+    if completion is None:
+        raise ctx.missing("completion")
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return "completion", {"prompt": prompt, "completion": completion}
+    if isinstance(prompt, (list, tuple)) and isinstance(completion, (list, tuple)):
+        messages = _messages(prompt, "prompt", ctx) + _messages(completion, "completion", ctx)
+        return "chat", {"messages": messages, "tools": _tools(ctx)}
+    raise RowError(f"'prompt' is {_kind_of_value(prompt)} and 'completion' is {_kind_of_value(completion)}: "
+                   "give both as strings (plain completion) or both as message lists (chat)", "wrong_type",
+                   "completion")
+
+
+def _preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    prompt = _prompt(ctx.row.get("prompt"), "prompt", ctx)
+    chosen = _answer(ctx.row.get("chosen"), "chosen", ctx)
+    rejected = _answer(ctx.row.get("rejected"), "rejected", ctx)
+    _distinct(chosen, rejected)
+    return "preference", {"prompt": _system(ctx) + prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _sharegpt_preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    prompt = _system(ctx) + _messages(ctx.row.get("conversations"), "conversations", ctx)
+    chosen = _answer(ctx.row.get("chosen"), "chosen", ctx)
+    rejected = _answer(ctx.row.get("rejected"), "rejected", ctx)
+    _distinct(chosen, rejected)
+    return "preference", {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _implicit_preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    raw_c, raw_r = ctx.row.get("chosen"), ctx.row.get("rejected")
+    for field, value in (("chosen", raw_c), ("rejected", raw_r)):
+        if value is None:
+            raise ctx.missing(field)
+        if not isinstance(value, (list, tuple)):
+            raise RowError(f"field {field!r} must be a whole conversation (a list of messages) when there is no "
+                           f"'prompt', got {_kind_of_value(value)}; map the prompt with columns = "
+                           "{ prompt = \"...\" }", "wrong_type", field)
+    chosen, rejected = _messages(raw_c, "chosen", ctx), _messages(raw_r, "rejected", ctx)
+    _distinct(chosen, rejected)
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0:
+        raise RowError("'chosen' and 'rejected' share no leading messages, so there is no prompt to split off "
+                       "(their first messages differ); give the prompt in its own field", "no_shared_prefix",
+                       "chosen")
+    for field, tail in (("chosen", chosen[n:]), ("rejected", rejected[n:])):
+        if not tail:
+            raise RowError(f"{field!r} ends where the other goes on (it is a prefix of it): there is no "
+                           f"{field} answer", "no_answer", field)
+        if tail[0]["role"] != "assistant" or any(m["role"] in ("user", "system") for m in tail):
+            raise RowError(f"'chosen' and 'rejected' differ at message {n} ({tail[0]['role']} turn), before "
+                           "the last assistant turn: only the final answer may differ", "differ_before_answer",
+                           field)
+    return "preference", {"prompt": chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
+
+
+def _kto(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    label = _label(ctx, strings)
+    row = ctx.row
+    if _present(row, "completion"):
+        prompt = _prompt(row.get("prompt"), "prompt", ctx)
+        completion = _answer(row.get("completion"), "completion", ctx)
+        return "unpaired_preference", {"prompt": _system(ctx) + prompt, "completion": completion, "label": label}
+    field = "messages" if _present(row, "messages") else "conversations"
+    if not _present(row, field):
+        raise RowError(f"missing field 'messages' (or 'conversations', or 'prompt' + 'completion') "
+                       f"(fields: {_fields(row)}); map it with columns = {{ messages = \"...\" }}",
+                       "missing_field", "messages")
+    messages = _system(ctx) + _messages(row.get(field), field, ctx)
+    if messages[-1]["role"] != "assistant":
+        raise RowError(f"the last message of {field!r} must be the assistant's answer (the completion to label), "
+                       f"got a {messages[-1]['role']} turn", "no_answer", field)
+    if len(messages) < 2:
+        raise RowError(f"{field!r} has only the answer, no prompt before it", "empty_conversation", field)
+    return "unpaired_preference", {"prompt": messages[:-1], "completion": messages[-1:], "label": label}
+
+
+def _text(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
+    text = ctx.string("text")
+    if not text.strip():
+        raise RowError("empty text", "empty_text", "text")
+    return "text", {"text": text}
+
+
+CONVERTERS = {
+    "alpaca": _alpaca,
+    "sharegpt": _sharegpt,
+    "messages": _openai,
+    "prompt_completion": _prompt_completion,
+    "preference": _preference,
+    "sharegpt_preference": _sharegpt_preference,
+    "implicit_preference": _implicit_preference,
+    "kto": _kto,
+    "text": _text,
+}
+
+
+def apply_columns(row: Mapping, columns: Mapping[str, str]) -> dict:
+    """Rename the file's fields to ours: ``columns`` maps our name -> the file's name. A field
+    of the file that has our name but is not the mapped one gives way to the mapped one."""
+    if not columns:
+        return dict(row)
+    theirs = set(columns.values())
+    out = {k: v for k, v in row.items() if k not in columns or k in theirs}
+    for ours, their in columns.items():
+        out[ours] = row.get(their)
+    for their in theirs - set(columns):
+        out.pop(their, None)
+    return out
+
+
+def convert(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
+            strings: bool = False) -> tuple[str, str, dict]:
+    """Convert one raw row. Returns ``(format, kind, internal_row)``; raises :class:`RowError`.
+
+    ``columns`` maps our field names to the row's (applied before detection). ``strings``
+    says every value arrived as a string (CSV): then ``label`` may be ``"true"``/``"false"``.
+    Messages in the result carry only the keys they use; chat rows always have ``tools``
+    (None when there are none).
+    """
+    if not isinstance(row, Mapping):
+        raise RowError(f"expected an object with fields, got {_kind_of_value(row)}", "wrong_type", None)
+    columns = columns or {}
+    row = apply_columns(row, columns)
+    fmt = ALIASES.get(fmt, fmt)
+    explicit = fmt != "auto"
+    if not explicit:
+        fmt = detect(row)
+    elif fmt not in CONVERTERS:
+        raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMAT_NAMES)}")
+    kind, out = CONVERTERS[fmt](_Ctx(row, columns, fmt, explicit), strings)
+    return fmt, kind, out
+
+
+def kind_of(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
+            strings: bool = False) -> str | None:
+    """The kind a row converts to, or None when it does not convert."""
+    try:
+        return convert(row, fmt, columns=columns, strings=strings)[1]
+    except RowError:
+        return None
+
+
+# -- batches -----------------------------------------------------------------------------------------
+
+def _full_message(m: dict) -> dict:
+    return {"role": m["role"], "content": m["content"], "tool_calls": m.get("tool_calls"), "name": m.get("name")}
+
+
+def _placeholder(kind: str) -> dict:
+    return {c: None for c in KIND_COLUMNS[kind]}
+
+
+def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mapping[str, str] | None = None,
+                 strings: bool = False) -> dict[str, list]:
+    """Convert rows to the columns of ``kind`` plus ``__error`` and ``__format``; a bad row
+    (or one of another kind) gets None values and its error. Never raises for a row."""
+    names = KIND_COLUMNS[kind]
+    out: dict[str, list] = {c: [] for c in names}
+    out[ERROR_COLUMN], out[FORMAT_COLUMN] = [], []
+    for row in rows:
+        try:
+            row_fmt, row_kind, converted = convert(row, fmt, columns=columns, strings=strings)
+            if row_kind != kind:
+                raise RowError(f"a {row_kind} row ({row_fmt}) among {kind} rows: one source holds one kind of "
+                               "rows; split them into separate sources", "mixed_kind", None)
+            error = None
+        except RowError as exc:
+            converted, error, row_fmt = _placeholder(kind), exc.encode(), None
+        for c in names:
+            value = converted.get(c)
+            if c in MESSAGE_COLUMNS and isinstance(value, list):
+                value = [_full_message(m) for m in value]
+            out[c].append(value)
+        out[ERROR_COLUMN].append(error)
+        out[FORMAT_COLUMN].append(row_fmt)
+    return out
+
+
+def convert_batch(batch: Mapping[str, list], fmt: str, kind: str, columns: Mapping[str, str] | None = None,
+                  strings: bool = False) -> dict[str, list]:
+    """:func:`convert_rows` for a ``datasets`` batch (a dict of equal-length lists)."""
+    keys = list(batch)
+    n = len(batch[keys[0]]) if keys else 0
+    rows = ({k: batch[k][i] for k in keys} for i in range(n))
+    return convert_rows(rows, fmt, kind, columns=columns, strings=strings)
+
+
+def features(kind: str, messages_keys: Iterable[str] = MESSAGE_KEYS) -> dict:
+    """``datasets`` feature types of a kind's columns (a plain dict of features)."""
+    from datasets import List, Value
+
+    message = {k: Value("string") for k in messages_keys}
+    string = Value("string")
+    return {
+        "chat": {"messages": List(message), "tools": string},
+        "completion": {"prompt": string, "completion": string},
+        "preference": {"prompt": List(message), "chosen": List(message), "rejected": List(message)},
+        "unpaired_preference": {"prompt": List(message), "completion": List(message), "label": Value("bool")},
+        "text": {"text": string},
+    }[kind]

@@ -116,6 +116,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -126,7 +127,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for kind, spec in KINDS.items():
         table.add_row(f"[bold]{spec.title}[/]", "", "")
         for r in registry.all(kind):
-            table.add_row(f"  [cyan]{r.name}[/]", f"{r.dist} {r.version}", r.description)
+            table.add_row(f"  [cyan]{escape(r.name)}[/]", escape(f"{r.dist} {r.version}"), escape(r.description))
         if not registry.all(kind):
             table.add_row("  (none)", "", "")
     console.print(table)

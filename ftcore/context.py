@@ -49,6 +49,7 @@ class DataContext:
     run: RunInfo
     reporter: Reporter
     name: str  # the plan's name for this data, e.g. "chat" for [data.chat]
+    data: Callable[[str], Any] | None = None  # data(ref) loads other plan data (e.g. for a mix)
 
 
 @dataclass

@@ -288,10 +288,20 @@ class _Checker:
         data_names = set(self.table(raw, "data") or {})
 
         def data_ref(section: dict, key: str, path: str, required: bool) -> str | None:
+            """``name`` (its train split) or ``name:split``, e.g. ``chat:validation``."""
             ref = self.string(section, key, path, required)
-            if ref is not None and ref not in data_names:
-                self.problem(path, unknown_choice("data", ref, data_names).replace("unknown data", "undefined data")
-                             + (" (define it as [data.%s])" % ref))
+            if ref is None:
+                return None
+            name, _, split = ref.partition(":")
+            if name not in data_names:
+                self.problem(path, unknown_choice("data", name, data_names).replace("unknown data", "undefined data")
+                             + (" (define it as [data.%s])" % name))
+            elif split and name in data:
+                splits = _splits(data[name])
+                if split not in splits:
+                    self.problem(path, f"data '{name}' has no split '{split}'; it has: {', '.join(splits)}"
+                                       + ("; set validation = 0.1 (or a row count) in [data.%s] to hold some out"
+                                          % name if split == "validation" else ""))
             return ref
 
         stages: list[Stage] = []
@@ -397,6 +407,11 @@ class _Checker:
                 self.problem(f"requires[{i}]", f"{req.name} {have} is installed but the plan needs '{text}'; "
                                                f"upgrade with: pip install '{text}'")
         return list(value)
+
+
+def _splits(sel: Selected) -> list[str]:
+    splits = getattr(sel.create(), "splits", None)
+    return list(splits()) if callable(splits) else ["train"]
 
 
 def _unknown_key(what: str, key: str, valid: Any) -> str:

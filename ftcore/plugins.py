@@ -35,6 +35,7 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.data_text",
     "ftcore_plugins.data_arrow",
     "ftcore_plugins.data_hf",
+    "ftcore_plugins.data_mix",
     "ftcore_plugins.template_chatml",
     "ftcore_plugins.template_native",
     "ftcore_plugins.template_llama2",

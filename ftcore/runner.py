@@ -257,12 +257,24 @@ class Runner:
     def _adapter_ctx(self) -> AdapterContext:
         return AdapterContext(self.info, self.reporter, self.quantizer)
 
-    def _load_data(self, name: str) -> Any:
+    def _load_data(self, ref: str) -> Any:
+        """A plan data reference, ``name`` or ``name:split``, as a Dataset (cached per run).
+
+        A source returns a Dataset, or a dict of them by split; a plain name means "train"."""
+        name, _, split = ref.partition(":")
         if name not in self._data:
             sel = self.plan.data[name]
+            component = sel.create()
             with calling(sel, "load"):
-                self._data[name] = sel.create().load(DataContext(self.info, self.reporter, name))
-        return self._data[name]
+                loaded = component.load(DataContext(self.info, self.reporter, name, self._load_data))
+            self._data[name] = loaded if isinstance(loaded, dict) else {"train": loaded}
+            stats = getattr(component, "stats", None)
+            if stats and self.reporter is not None:
+                self.reporter.data_report(f"source/{name}", stats)
+        splits = self._data[name]
+        if (split or "train") not in splits:
+            raise FtcoreError(f"data '{name}' has no split '{split}'; it has: {', '.join(splits)}")
+        return splits[split or "train"]
 
     def _marker(self, stage: Stage) -> dict[str, Any] | None:
         return rundir.read_json(self.stage_dir(stage) / rundir.COMPLETE)

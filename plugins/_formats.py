@@ -338,10 +338,13 @@ DETECTION = (
 
 
 def detect(row: Mapping) -> str:
-    """The format of a row from its non-null fields; first match in :data:`DETECTION` wins."""
-    for fmt, required, any_of in DETECTION:
-        if all(_present(row, f) for f in required) and (not any_of or any(_present(row, f) for f in any_of)):
-            return fmt
+    """The format of a row from its non-null fields; first match in :data:`DETECTION` wins.
+    When none matches, the fields it has at all (null or not) decide, so that a row with an
+    empty cell is read as its columns say and then reported for the empty cell."""
+    for has in (_present, lambda r, f: f in r):
+        for fmt, required, any_of in DETECTION:
+            if all(has(row, f) for f in required) and (not any_of or any(has(row, f) for f in any_of)):
+                return fmt
     raise RowError(f"cannot tell the row's format from its fields ({_fields(row)}); map them to our field "
                    f"names with columns = {{ <ours> = \"<theirs>\" }} (ours: {', '.join(FIELDS)}) or set "
                    f"format = \"...\" ({', '.join(FORMATS)})", "unknown_format", None)
@@ -365,7 +368,7 @@ def _alpaca(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     # `input` is context for the instruction: after it, separated by a blank line.
     prompt = f"{instruction}\n\n{context}" if context else instruction
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
-    return "chat", {"messages": messages}
+    return "chat", {"messages": messages, "tools": None}
 
 
 def _tools(ctx: _Ctx) -> str | None:

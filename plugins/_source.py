@@ -282,7 +282,7 @@ class RowSource(Component):
         if ds.column_names != columns:
             ds = ds.select_columns(columns)
         what = ", ".join(stats["formats"]) or kind
-        where = stats["files"][0]["path"] if len(stats["files"]) == 1 else f"{len(stats['units'])} files"
+        where = stats["files"][0]["path"] if len(stats["files"]) == 1 else f"{len(stats['files'])} files"
         ctx.reporter.info(f"data [bold]{ctx.name}[/]: {len(ds):,} {kind.replace('_', ' ')} rows ({what}) "
                           f"from {where}")
         return ds

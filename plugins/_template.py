@@ -90,12 +90,8 @@ class JinjaTemplate(Component):
         template = self.chat_template()
         defaults = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
                     if v is not None and _token(tokenizer, k) is None}
-        try:
-            import jinja2
+        import jinja2  # transformers renders chat templates with it
 
-            errors: tuple[type[BaseException], ...] = (jinja2.TemplateError, ValueError, TypeError)
-        except ImportError:  # transformers reports the missing jinja2 itself
-            errors = (ValueError, TypeError)
         try:
             if tokenizer is not None and messages:
                 return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
@@ -108,7 +104,7 @@ class JinjaTemplate(Component):
             rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
                                                 add_generation_prompt=add_generation_prompt, **variables)
             return rendered[0]
-        except errors as exc:
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # raise_exception, undefined values
             raise FtcoreError(f"template '{self.name}' cannot render this conversation: {_one_line(exc)}") from exc
 
     def _check_system(self, messages: list[dict]) -> None:

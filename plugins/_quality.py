@@ -1,0 +1,191 @@
+"""Row-level data quality and splits, shared by the data sources.
+
+Order, applied by ``clean_and_split``: filters -> exact dedup -> near dedup -> split.
+Dedup runs before the split, so a duplicate can never sit on both sides of it.
+Every step counts what it removed, for the data report.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import unicodedata
+from collections import defaultdict
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from ftcore.component import Options
+from ftcore.errors import FtcoreError
+
+
+class QualityOptions(Options):
+    """Options every built-in data source takes (see docs/data.md)."""
+
+    dedup: Literal["none", "exact", "near"] = "exact"  # near: exact first, then MinHash near-duplicates
+    near_threshold: float = Field(0.7, gt=0, lt=1)  # estimated Jaccard similarity of word 3-gram shingles
+    min_chars: int = Field(1, ge=0)  # drop rows whose text is shorter (1: drop empty rows)
+    drop_non_text: bool = True  # drop rows that look like binary or encoded data, not text
+    max_chars: int | None = Field(None, gt=0)  # drop rows whose text is longer
+    validation: float | int | None = None  # a share (0 < x < 1) or a row count held out for validation
+    split: Literal["random", "stratified", "grouped"] = "random"
+    split_by: str | None = None  # the column for stratified or grouped splits (list it in `keep` too)
+    seed: int = 42
+
+    @model_validator(mode="after")
+    def _split_needs_column(self):
+        if self.split != "random" and not self.split_by:
+            raise ValueError(f"split = '{self.split}' needs split_by = \"<column>\"")
+        if isinstance(self.validation, float) and not 0 < self.validation < 1:
+            raise ValueError("validation must be a share between 0 and 1, or a whole number of rows")
+        if isinstance(self.validation, int) and self.validation < 1:
+            raise ValueError("validation must be at least 1 row")
+        return self
+
+
+def normalized_text(row: dict) -> str:
+    """All the text of a row in the internal schema, normalised for comparison:
+    Unicode NFKC, lower case, collapsed whitespace. Roles are kept, so a user turn and
+    an assistant turn with the same words differ."""
+    parts = []
+    for key in ("text", "prompt", "completion", "messages", "chosen", "rejected"):
+        value = row.get(key)
+        if isinstance(value, str):
+            parts.append(f"{key}:{value}")
+        elif isinstance(value, list):
+            parts.extend(f"{m.get('role')}:{m.get('content')}" for m in value if isinstance(m, dict))
+    if "label" in row and row["label"] is not None:
+        parts.append(f"label:{row['label']}")
+    text = unicodedata.normalize("NFKC", "\n".join(parts)).lower()
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def content_text(row: dict) -> str:
+    """The row's text as written, without roles: what length filters measure."""
+    parts = []
+    for key in ("text", "prompt", "completion"):
+        if isinstance(row.get(key), str):
+            parts.append(row[key])
+    for key in ("messages", "prompt", "completion", "chosen", "rejected"):
+        if isinstance(row.get(key), list):
+            parts.extend(str(m.get("content", "")) for m in row[key] if isinstance(m, dict))
+    return "".join(parts)
+
+
+def looks_like_text(text: str) -> bool:
+    """False for binary or encoded blobs: control characters, U+FFFD (bytes that did
+    not decode), or an unbroken run of 200+ base64/hex characters. Code and numbers
+    count as text."""
+    if "\ufffd" in text or any(unicodedata.category(c) == "Cc" and c not in "\n\r\t" for c in text):
+        return False
+    return re.search(r"[A-Za-z0-9+/=]{200,}", text) is None
+
+
+def _shingles(text: str, n: int = 3) -> set[bytes]:
+    words = text.split()
+    if len(words) < n:
+        return {" ".join(words).encode()}
+    return {" ".join(words[i:i + n]).encode() for i in range(len(words) - n + 1)}
+
+
+def near_duplicates(texts: list[str], threshold: float, seed: int = 1, num_perm: int = 128) -> set[int]:
+    """Indices to drop: each row whose estimated Jaccard similarity to an earlier kept
+    row is at least ``threshold`` (datasketch MinHash + LSH)."""
+    from datasketch import MinHash, MinHashLSH
+
+    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
+    drop = set()
+    for i, h in enumerate(MinHash.generator((_shingles(t) for t in texts), num_perm=num_perm, seed=seed)):
+        if lsh.query(h):
+            drop.add(i)
+        else:
+            lsh.insert(i, h)
+    return drop
+
+
+def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: str) -> dict[str, Any]:
+    """Filter, dedup and split a dataset. Returns ``{"train": ds}`` or
+    ``{"train": ds, "validation": ds}``; adds counts to ``stats``."""
+    rows = data.to_list() if len(data) <= 200_000 else None
+    if rows is None:
+        raise FtcoreError(f"{where}: quality filters and splits load rows into memory; "
+                          f"{len(data):,} rows is more than they are meant for (set dedup = \"none\")")
+    keep: list[int] = []
+    dropped: dict[str, int] = defaultdict(int)
+    seen: set[bytes] = set()
+    for i, row in enumerate(rows):
+        text = content_text(row)
+        stripped = text.strip()
+        if len(stripped) < o.min_chars:
+            dropped["empty" if not stripped else "too_short"] += 1
+            continue
+        if o.max_chars is not None and len(text) > o.max_chars:
+            dropped["too_long"] += 1
+            continue
+        if o.drop_non_text and not looks_like_text(stripped):
+            dropped["non_text"] += 1
+            continue
+        if o.dedup != "none":
+            digest = hashlib.blake2b(normalized_text(row).encode(), digest_size=16).digest()
+            if digest in seen:
+                dropped["duplicate"] += 1
+                continue
+            seen.add(digest)
+        keep.append(i)
+    if o.dedup == "near" and keep:
+        near = near_duplicates([normalized_text(rows[i]) for i in keep], o.near_threshold, seed=o.seed)
+        dropped["near_duplicate"] += len(near)
+        keep = [i for j, i in enumerate(keep) if j not in near]
+    stats.update({f"dropped_{k}": v for k, v in dropped.items()})
+    stats["rows_kept"] = len(keep)
+    if not keep:
+        raise FtcoreError(f"{where}: no row is left after filtering and deduplication ({dict(dropped)})")
+    if o.validation is None:
+        return {"train": data.select(keep)}
+    train, validation = split_indices([rows[i] for i in keep], o, where)
+    stats["train_rows"], stats["validation_rows"] = len(train), len(validation)
+    return {"train": data.select([keep[i] for i in train]), "validation": data.select([keep[i] for i in validation])}
+
+
+def split_indices(rows: list[dict], o: QualityOptions, where: str) -> tuple[list[int], list[int]]:
+    """Seeded train/validation indices: random, stratified by a column (each value keeps
+    its share on both sides), or grouped by a column (a group never straddles)."""
+    n = len(rows)
+    want = o.validation if isinstance(o.validation, int) else round(n * o.validation)
+    if not 1 <= want < n:
+        raise FtcoreError(f"{where}: validation = {o.validation} leaves {n - want} training rows of {n}; "
+                          "choose a smaller share")
+    rng = random.Random(o.seed)
+    if o.split == "random":
+        order = list(range(n))
+        rng.shuffle(order)
+        return sorted(order[want:]), sorted(order[:want])
+    column = o.split_by
+    missing = next((i for i, r in enumerate(rows) if column not in r), None)
+    if missing is not None:
+        raise FtcoreError(f"{where}: split_by = '{column}' but row {missing} has no such column "
+                          f"(columns: {', '.join(rows[missing])}); add it to keep = [...]")
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(rows):
+        groups[json.dumps(r[column], sort_keys=True, default=str)].append(i)
+    validation: list[int] = []
+    if o.split == "stratified":
+        share = want / n
+        for key in sorted(groups):
+            members = groups[key][:]
+            rng.shuffle(members)
+            validation += members[: round(len(members) * share)]
+    else:  # grouped: whole groups, in a seeded order, until the target is reached
+        keys = sorted(groups)
+        rng.shuffle(keys)
+        for key in keys:
+            if len(validation) >= want:
+                break
+            validation += groups[key]
+        if len(validation) >= n:
+            raise FtcoreError(f"{where}: split_by = '{column}' has too few groups to hold out {want} rows "
+                              "and keep any for training")
+    held = set(validation)
+    return [i for i in range(n) if i not in held], sorted(held)

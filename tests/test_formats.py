@@ -1,0 +1,315 @@
+"""Row formats -> the internal schema (docs/data.md), one conversion at a time, no files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftcore_plugins import _formats as F
+from ftcore_plugins._formats import RowError, convert, detect
+
+
+def chat(row, fmt="auto", **kw):
+    got_fmt, kind, out = convert(row, fmt, **kw)
+    assert kind == "chat", (got_fmt, kind)
+    return out["messages"], out["tools"]
+
+
+def u(text):
+    return {"role": "user", "content": text}
+
+
+def a(text):
+    return {"role": "assistant", "content": text}
+
+
+def s(text):
+    return {"role": "system", "content": text}
+
+
+# -- alpaca ---------------------------------------------------------------------------------------
+
+def test_alpaca_input_is_context_after_the_instruction_with_a_blank_line():
+    messages, tools = chat({"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"})
+    assert messages == [u("Translate to French.\n\nGood morning"), a("Bonjour")]
+    assert tools is None
+
+
+def test_alpaca_empty_or_absent_input_leaves_the_instruction_alone():
+    for row in ({"instruction": "Say hi.", "input": "", "output": "hi"}, {"instruction": "Say hi.", "output": "hi"},
+                {"instruction": "Say hi.", "input": None, "output": "hi"}):
+        assert chat(row)[0] == [u("Say hi."), a("hi")]
+
+
+def test_alpaca_system_and_history_come_first_in_order():
+    row = {"instruction": "And 3+3?", "output": "6", "system": "Be brief.",
+           "history": [["1+1?", "2"], ["2+2?", "4"]]}
+    assert chat(row)[0] == [s("Be brief."), u("1+1?"), a("2"), u("2+2?"), a("4"), u("And 3+3?"), a("6")]
+
+
+def test_alpaca_bad_history_names_the_pair():
+    with pytest.raises(RowError, match=r"'history\[1\]' must be a \[user, assistant\] pair") as info:
+        convert({"instruction": "x", "output": "y", "history": [["a", "b"], ["only one"]]})
+    assert info.value.reason == "wrong_type" and info.value.field == "history"
+
+
+def test_alpaca_missing_output_names_it_lists_fields_and_suggests_the_mapping():
+    with pytest.raises(RowError) as info:
+        convert({"instruction": "x", "answer": "y"})
+    msg = str(info.value)
+    assert "missing field 'output'" in msg and "(fields: instruction, answer)" in msg
+    assert 'columns = { output = "..." }' in msg and "format" in msg  # format was guessed: say how to set it
+    assert info.value.field == "output" and info.value.reason == "missing_field"
+
+
+def test_column_mapping_applies_before_detection():
+    row = {"question": "2+2?", "context": "arithmetic", "answer": "4"}
+    with pytest.raises(RowError, match="cannot tell the row's format .*question, context, answer"):
+        convert(row)
+    fmt, kind, out = convert(row, columns={"instruction": "question", "input": "context", "output": "answer"})
+    assert (fmt, kind) == ("alpaca", "chat")
+    assert out["messages"] == [u("2+2?\n\narithmetic"), a("4")]
+
+
+def test_mapped_field_that_is_empty_says_where_it_came_from():
+    with pytest.raises(RowError, match="mapped from the file's 'answer'"):
+        convert({"question": "q", "answer": None}, columns={"instruction": "question", "output": "answer"})
+
+
+def test_mapping_wins_over_a_field_of_the_same_name():
+    row = {"instruction": "old", "prompt_text": "new", "output": "o"}
+    assert chat(row, columns={"instruction": "prompt_text"})[0][0] == u("new")
+
+
+# -- sharegpt -----------------------------------------------------------------------------------------
+
+def test_sharegpt_roles_system_field_and_tools():
+    tools = [{"name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}]
+    row = {"system": "sys", "tools": json.dumps(tools),
+           "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+                             {"from": "user", "value": "q2"}, {"from": "assistant", "value": "a2"}]}
+    messages, got_tools = chat(row)
+    assert messages == [s("sys"), u("q"), a("a"), u("q2"), a("a2")]
+    assert json.loads(got_tools) == tools
+
+
+def test_sharegpt_function_call_becomes_tool_calls_and_observation_a_named_tool_turn():
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    row = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
+                             {"from": "function_call", "value": json.dumps(call)},
+                             {"from": "observation", "value": '{"temp": 21}'},
+                             {"from": "gpt", "value": "21 degrees."}],
+           "tools": [{"name": "get_weather"}]}
+    messages, tools = chat(row)
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["content"] == ""
+    assert json.loads(messages[1]["tool_calls"]) == [{"type": "function", "function": call}]
+    assert messages[2] == {"role": "tool", "content": '{"temp": 21}', "name": "get_weather"}
+    assert "tool_calls" not in messages[3] and "name" not in messages[0]
+    assert json.loads(tools) == [{"name": "get_weather"}]  # a list is stored as a JSON string
+
+
+def test_sharegpt_function_call_after_assistant_text_joins_that_turn_and_tool_role_alias():
+    row = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "Let me check."},
+                             {"from": "function_call", "value": '[{"name": "a", "arguments": {}}, '
+                                                                '{"name": "b", "arguments": {}}]'},
+                             {"from": "tool", "value": "ra"}, {"from": "observation", "value": "rb"}]}
+    messages, _ = chat(row)
+    assert len(messages) == 4
+    assert messages[1]["content"] == "Let me check." and len(json.loads(messages[1]["tool_calls"])) == 2
+    assert [m.get("name") for m in messages[2:]] == ["a", "b"]
+
+
+def test_sharegpt_empty_tools_are_none_and_bad_function_call_is_an_error():
+    assert chat({"conversations": [{"from": "human", "value": "q"}], "tools": ""})[1] is None
+    assert chat({"conversations": [{"from": "human", "value": "q"}], "tools": "[]"})[1] is None
+    with pytest.raises(RowError, match=r"'conversations\[1\]\.value' of a function_call turn must be JSON"):
+        convert({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "get()"}]})
+
+
+def test_sharegpt_unknown_role_and_empty_conversation():
+    with pytest.raises(RowError, match=r"unknown role 'bot' in 'conversations\[0\]\.from'") as info:
+        convert({"conversations": [{"from": "bot", "value": "x"}]})
+    assert info.value.reason == "unknown_role"
+    with pytest.raises(RowError, match="empty conversation") as info:
+        convert({"conversations": []})
+    assert info.value.reason == "empty_conversation"
+
+
+# -- openai messages ------------------------------------------------------------------------------
+
+def test_messages_keep_tool_calls_and_tool_names_and_drop_other_keys():
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    row = {"messages": [u("q"), {"role": "assistant", "content": None, "tool_calls": calls, "weight": 1},
+                        {"role": "tool", "content": "r", "tool_call_id": "c1"}, a("done")]}
+    messages, _ = chat(row)
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": json.dumps(calls)}
+    assert messages[2] == {"role": "tool", "content": "r", "name": "f"}  # named after the call it answers
+    assert messages[3] == a("done")
+
+
+def test_messages_content_parts_are_joined_and_wrong_types_named():
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    assert chat({"messages": [{"role": "user", "content": parts}]})[0] == [u("Hello there")]
+    with pytest.raises(RowError, match="field 'messages' must be a list of messages, got a string"):
+        convert({"messages": "hello"})
+    with pytest.raises(RowError, match=r"'messages\[0\]\.content' must be a string"):
+        convert({"messages": [{"role": "user", "content": 3}]})
+    with pytest.raises(RowError, match=r"unknown role 'bot' in 'messages\[0\]\.role'"):
+        convert({"messages": [{"role": "bot", "content": "x"}]})
+    with pytest.raises(RowError, match=r"only assistant turns call tools"):
+        convert({"messages": [{"role": "user", "content": "x", "tool_calls": "[{}]"}]})
+
+
+def test_openai_is_an_alias_of_messages():
+    assert convert({"messages": [u("q"), a("a")]}, "openai")[0] == "messages"
+
+
+# -- prompt / completion ------------------------------------------------------------------------------
+
+def test_prompt_completion_strings_are_a_completion_row_lists_a_chat_row():
+    assert convert({"prompt": "The sky is", "completion": " blue."}) == \
+        ("prompt_completion", "completion", {"prompt": "The sky is", "completion": " blue."})
+    fmt, kind, out = convert({"prompt": [u("q")], "completion": [a("a")]})
+    assert (fmt, kind, out["messages"]) == ("prompt_completion", "chat", [u("q"), a("a")])
+    with pytest.raises(RowError, match="both as strings .* or both as message lists"):
+        convert({"prompt": "q", "completion": [a("a")]})
+
+
+# -- preference ---------------------------------------------------------------------------------------
+
+def test_explicit_preference_with_strings():
+    assert convert({"prompt": "2+2?", "chosen": "4", "rejected": "5"}) == (
+        "preference", "preference", {"prompt": [u("2+2?")], "chosen": [a("4")], "rejected": [a("5")]})
+
+
+def test_explicit_preference_with_message_lists_and_a_system_field():
+    row = {"system": "sys", "prompt": [u("hi"), a("hello"), u("2+2?")],
+           "chosen": [a("4")], "rejected": [{"from": "gpt", "value": "5"}]}
+    fmt, kind, out = convert(row)
+    assert out == {"prompt": [s("sys"), u("hi"), a("hello"), u("2+2?")], "chosen": [a("4")], "rejected": [a("5")]}
+
+
+def test_sharegpt_preference_answers_are_single_turns():
+    row = {"conversations": [{"from": "system", "value": "sys"}, {"from": "human", "value": "q"}],
+           "chosen": {"from": "gpt", "value": "good"}, "rejected": {"from": "gpt", "value": "bad"}}
+    assert convert(row) == ("sharegpt_preference", "preference",
+                            {"prompt": [s("sys"), u("q")], "chosen": [a("good")], "rejected": [a("bad")]})
+
+
+def test_identical_chosen_and_rejected_is_its_own_reason():
+    with pytest.raises(RowError, match="identical") as info:
+        convert({"prompt": "q", "chosen": "same", "rejected": "same"})
+    assert info.value.reason == "identical_chosen_rejected"
+    assert info.value.reason in F.ALWAYS_SKIP
+
+
+def test_implicit_preference_splits_the_longest_common_prefix():
+    shared = [s("sys"), u("q1"), a("a1"), u("q2")]
+    row = {"chosen": [*shared, a("good")], "rejected": [*shared, a("bad")]}
+    assert convert(row) == ("implicit_preference", "preference",
+                            {"prompt": shared, "chosen": [a("good")], "rejected": [a("bad")]})
+
+
+def test_implicit_preference_answer_may_include_tool_turns_but_no_user_turn():
+    shared = [u("q")]
+    row = {"chosen": [*shared, a("calling"), {"role": "tool", "content": "r"}, a("done")], "rejected": [*shared, a("no")]}
+    out = convert(row)[2]
+    assert out["prompt"] == shared and len(out["chosen"]) == 3
+
+
+def test_implicit_preference_errors():
+    with pytest.raises(RowError, match="share no leading messages") as info:
+        convert({"chosen": [u("q"), a("x")], "rejected": [u("other q"), a("y")]})
+    assert info.value.reason == "no_shared_prefix"
+    with pytest.raises(RowError, match=r"differ at message 1 \(assistant turn\), before the last assistant turn"):
+        convert({"chosen": [u("q"), a("x"), u("more"), a("z")], "rejected": [u("q"), a("y"), u("more"), a("z2")]})
+    with pytest.raises(RowError, match="is a prefix of it"):
+        convert({"chosen": [u("q"), a("x")], "rejected": [u("q"), a("x"), u("more"), a("z")]})
+    with pytest.raises(RowError, match="must be a whole conversation .* when there is no 'prompt'"):
+        convert({"chosen": "x", "rejected": "y"})
+
+
+# -- KTO ----------------------------------------------------------------------------------------------
+
+def test_kto_messages_split_the_last_assistant_turn_off_as_the_completion():
+    row = {"messages": [u("q"), a("a1"), u("q2"), a("a2")], "label": False}
+    assert convert(row) == ("kto", "unpaired_preference",
+                            {"prompt": [u("q"), a("a1"), u("q2")], "completion": [a("a2")], "label": False})
+
+
+def test_kto_prompt_completion_strings_and_csv_labels():
+    row = {"prompt": "q", "completion": "a", "label": True}
+    assert convert(row)[2] == {"prompt": [u("q")], "completion": [a("a")], "label": True}
+    assert convert({**row, "label": "false"}, strings=True)[2]["label"] is False  # CSV: values are strings
+    with pytest.raises(RowError, match="'label' must be a boolean .* got a string 'false'") as info:
+        convert({**row, "label": "false"})  # JSON: a string is not a boolean
+    assert info.value.reason == "label_not_bool"
+    with pytest.raises(RowError, match="got a number 1"):
+        convert({**row, "label": 1})
+
+
+def test_kto_last_message_must_be_the_answer():
+    with pytest.raises(RowError, match="last message of 'messages' must be the assistant's answer"):
+        convert({"messages": [u("q"), a("a"), u("q2")], "label": True})
+
+
+# -- text and detection -------------------------------------------------------------------------------
+
+def test_text_rows_and_empty_text():
+    assert convert({"text": "Once upon a time."}) == ("text", "text", {"text": "Once upon a time."})
+    with pytest.raises(RowError) as info:
+        convert({"text": "  \n"})
+    assert info.value.reason == "empty_text" and info.value.reason in F.ALWAYS_SKIP
+
+
+@pytest.mark.parametrize("row, fmt", [
+    ({"messages": [u("q")], "label": True}, "kto"),
+    ({"prompt": "q", "completion": "a", "label": True}, "kto"),
+    ({"conversations": [], "chosen": {}, "rejected": {}}, "sharegpt_preference"),
+    ({"prompt": "q", "chosen": "a", "rejected": "b"}, "preference"),
+    ({"chosen": [], "rejected": []}, "implicit_preference"),
+    ({"conversations": [], "tools": "[]"}, "sharegpt"),
+    ({"messages": [], "text": "t"}, "messages"),
+    ({"instruction": "i", "output": "o", "text": "t"}, "alpaca"),
+    ({"instruction": "i", "output": "o", "label": "spam"}, "alpaca"),  # a label alone does not make KTO
+    ({"prompt": "p", "completion": "c"}, "prompt_completion"),
+    ({"text": "t", "meta": 1}, "text"),
+    ({"text": "t", "messages": None}, "text"),  # null fields (Arrow fills them in) do not count
+])
+def test_detection_precedence(row, fmt):
+    assert detect(row) == fmt
+
+
+def test_explicit_format_overrides_detection():
+    row = {"instruction": "i", "output": "o", "text": "raw"}
+    assert convert(row, "text")[2] == {"text": "raw"}
+    with pytest.raises(RowError, match="missing field 'messages'"):
+        convert(row, "messages")
+
+
+def test_not_an_object():
+    with pytest.raises(RowError, match="expected an object with fields, got a list"):
+        convert([1, 2])
+
+
+# -- batches ------------------------------------------------------------------------------------------
+
+def test_convert_batch_never_raises_and_marks_bad_rows_in_order():
+    batch = {"instruction": ["a", None, "c", "d"], "output": ["1", None, None, "4"], "text": [None, "t", None, None]}
+    out = F.convert_batch(batch, "auto", "chat")
+    assert list(out) == ["messages", "tools", F.ERROR_COLUMN, F.FORMAT_COLUMN]
+    assert out[F.FORMAT_COLUMN] == ["alpaca", None, None, "alpaca"]
+    assert out["messages"][0] == [{"role": "user", "content": "a", "tool_calls": None, "name": None},
+                                  {"role": "assistant", "content": "1", "tool_calls": None, "name": None}]
+    assert out["messages"][1] is None and out[F.ERROR_COLUMN][0] is None
+    # row 1 is a text row among chat rows, row 2 lacks `output`
+    errors = [RowError.decode(e) if e else None for e in out[F.ERROR_COLUMN]]
+    assert errors[1].reason == "mixed_kind" and errors[2].reason == "missing_field" and errors[3] is None
+
+
+def test_conversion_is_deterministic():
+    rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(50)]
+    assert F.convert_rows(rows, "auto", "chat") == F.convert_rows(rows, "auto", "chat")

@@ -1,0 +1,142 @@
+"""Dedup, filters, splits and mixing: each counts what it did, and splits never leak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import chat_rows, run_cli, write_jsonl
+
+datasets = pytest.importorskip("datasets")
+
+
+def options(**kw):
+    from ftcore_plugins._quality import QualityOptions
+
+    return QualityOptions(**kw)
+
+
+def run(rows, **kw):
+    from ftcore_plugins._quality import clean_and_split
+
+    stats: dict = {}
+    out = clean_and_split(datasets.Dataset.from_list(rows), options(**kw), stats, "data.test")
+    return out, stats
+
+
+def text(t):
+    return {"text": t}
+
+
+LONG = ("the quick brown fox jumps over the lazy dog while the farmer watches from the old red barn "
+        "and the children play by the river under the tall green trees in the warm afternoon sun")
+
+
+def test_exact_dedup_ignores_case_and_whitespace_but_not_words():
+    rows = [text("Hello  World"), text("hello world"), text("hello world!"), text("HELLO\nWORLD")]
+    out, stats = run(rows)
+    assert out["train"]["text"] == ["Hello  World", "hello world!"]
+    assert stats["dropped_duplicate"] == 2
+    out, stats = run(rows, dedup="none")
+    assert len(out["train"]) == 4 and "dropped_duplicate" not in stats
+
+
+def test_near_dedup_drops_a_one_word_edit_and_keeps_different_texts():
+    edited = LONG.replace("lazy", "sleepy")
+    different = "a completely different sentence about cooking pasta with tomatoes garlic and basil " * 2
+    out, stats = run([text(LONG), text(edited), text(different)], dedup="near")
+    assert out["train"]["text"] == [LONG, different]
+    assert stats["dropped_near_duplicate"] == 1
+    out, _ = run([text(LONG), text(edited), text(different)], dedup="exact")
+    assert len(out["train"]) == 3
+
+
+def test_filters_count_each_reason():
+    rows = [text(""), text("   "), text("hi"), text("fine text here"), text("x" * 500),
+            text("binary \x00\x01 junk"), text("QUJD" * 60), text("def f(x): return x * 2  # code is text")]
+    out, stats = run(rows, min_chars=3, max_chars=300)
+    assert out["train"]["text"] == ["fine text here", "def f(x): return x * 2  # code is text"]
+    assert (stats["dropped_empty"], stats["dropped_too_short"], stats["dropped_too_long"],
+            stats["dropped_non_text"]) == (2, 1, 1, 2)
+
+
+def test_random_split_is_seeded_and_sized():
+    rows = [text(f"row {i}") for i in range(100)]
+    a, stats = run(rows, validation=0.2, seed=1)
+    b, _ = run(rows, validation=0.2, seed=1)
+    c, _ = run(rows, validation=20, seed=2)
+    assert len(a["validation"]) == 20 and len(a["train"]) == 80 and stats["validation_rows"] == 20
+    assert a["validation"]["text"] == b["validation"]["text"] != c["validation"]["text"]
+    assert not set(a["train"]["text"]) & set(a["validation"]["text"])
+
+
+def test_stratified_split_keeps_each_class_share():
+    rows = [{"text": f"row {i}", "topic": "rare" if i % 10 == 0 else "common"} for i in range(200)]
+    out, _ = run(rows, validation=0.25, split="stratified", split_by="topic")
+    topics = out["validation"]["topic"]
+    assert topics.count("rare") == 5 and topics.count("common") == 45
+
+
+def test_grouped_split_never_puts_a_group_on_both_sides():
+    rows = [{"text": f"conversation {g} turn {t}", "conversation_id": g} for g in range(30) for t in range(4)]
+    out, _ = run(rows, validation=0.2, split="grouped", split_by="conversation_id")
+    train, val = set(out["train"]["conversation_id"]), set(out["validation"]["conversation_id"])
+    assert val and train and not train & val
+    assert len(out["validation"]) % 4 == 0
+
+
+def test_dedup_runs_before_the_split_so_duplicates_cannot_straddle_it():
+    rows = [text(f"row {i % 50}") for i in range(100)]  # every row twice
+    out, stats = run(rows, validation=0.5, seed=3)
+    assert stats["dropped_duplicate"] == 50
+    assert not set(out["train"]["text"]) & set(out["validation"]["text"])
+
+
+def test_split_options_are_checked():
+    with pytest.raises(ValueError, match="split_by"):
+        options(split="grouped")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        options(validation=1.5)
+
+
+def test_mix_by_weight_through_a_plan(tiny_project):
+    write_jsonl(tiny_project.dir / "replay.jsonl", chat_rows(200, seed=5))
+    plan = tiny_project("""
+[data.replay]
+use = "jsonl"
+path = "replay.jsonl"
+
+[data.mixed]
+use = "mix"
+sources = { chat = 0.7, replay = 0.3 }
+rows = 80
+
+[[stage]]
+trainer = "sft"
+data = "mixed"
+adapter = "full"
+max_steps = 1
+""")
+    assert run_cli("validate", str(plan)).returncode == 0
+    result = run_cli("run", str(plan))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tiny_project.dir / "runs" / "tiny" / "data_report.json").read_text())
+    mixed = report["source/mixed"]
+    assert (mixed["rows"], mixed["rows_from_chat"], mixed["rows_from_replay"]) == (80, 56, 24)
+    assert mixed["repeated_rows"] == 0  # chat has 64 rows, 56 are drawn without repeats
+    assert report["0-sft/train"]["rows"] == 80
+
+
+def test_mix_errors_are_caught_by_validate(tiny_project):
+    plan = tiny_project("""
+[data.mixed]
+use = "mix"
+sources = { chat = 0.5, nowhere = 0.5 }
+
+[[stage]]
+trainer = "sft"
+data = "mixed"
+""")
+    result = run_cli("validate", str(plan))
+    assert result.returncode == 2 and "data.mixed.sources: undefined data 'nowhere'" in result.stderr

@@ -16,6 +16,7 @@ token that closes it, whatever the pad token is.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -25,7 +26,20 @@ IGNORE = -100
 Truncation = Literal["truncate_response", "truncate_prompt", "drop"]
 
 
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages as chat templates expect them: keys Arrow filled with None removed, and
+    ``tool_calls`` (stored as JSON text) parsed back into a list."""
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if isinstance(m.get("tool_calls"), str):
+            m["tool_calls"] = json.loads(m["tool_calls"])
+        out.append(m)
+    return out
+
+
 def render_with_spans(template: Any, messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
+    messages = template_messages(messages)
     text = template.render(messages, tokenizer, add_generation_prompt=False)
     spans = []
     for i, message in enumerate(messages):

@@ -24,20 +24,21 @@ from ftcore.errors import FtcoreError
 class QualityOptions(Options):
     """Options every built-in data source takes (see docs/data.md)."""
 
-    dedup: Literal["none", "exact", "near"] = "exact"  # near: exact first, then MinHash near-duplicates
+    # "none" keeps every row (duplicates are still counted); "near": exact, then MinHash near-duplicates
+    dedup: Literal["none", "exact", "near"] = "none"
     near_threshold: float = Field(0.7, gt=0, lt=1)  # estimated Jaccard similarity of word 3-gram shingles
     min_chars: int = Field(1, ge=0)  # drop rows whose text is shorter (1: drop empty rows)
     drop_non_text: bool = True  # drop rows that look like binary or encoded data, not text
     max_chars: int | None = Field(None, gt=0)  # drop rows whose text is longer
     validation: float | int | None = None  # a share (0 < x < 1) or a row count held out for validation
-    split: Literal["random", "stratified", "grouped"] = "random"
+    split_strategy: Literal["random", "stratified", "grouped"] = "random"
     split_by: str | None = None  # the column for stratified or grouped splits (list it in `keep` too)
     seed: int = 42
 
     @model_validator(mode="after")
     def _split_needs_column(self):
-        if self.split != "random" and not self.split_by:
-            raise ValueError(f"split = '{self.split}' needs split_by = \"<column>\"")
+        if self.split_strategy != "random" and not self.split_by:
+            raise ValueError(f"split_strategy = '{self.split_strategy}' needs split_by = \"<column>\"")
         if isinstance(self.validation, float) and not 0 < self.validation < 1:
             raise ValueError("validation must be a share between 0 and 1, or a whole number of rows")
         if isinstance(self.validation, int) and self.validation < 1:
@@ -75,12 +76,15 @@ def content_text(row: dict) -> str:
 
 
 def looks_like_text(text: str) -> bool:
-    """False for binary or encoded blobs: control characters, U+FFFD (bytes that did
-    not decode), or an unbroken run of 200+ base64/hex characters. Code and numbers
-    count as text."""
-    if "\ufffd" in text or any(unicodedata.category(c) == "Cc" and c not in "\n\r\t" for c in text):
+    """False for binary or encoded blobs: over 1% control characters or U+FFFD (bytes
+    that did not decode), or an unbroken run of 200+ base64 characters using at least 16
+    distinct symbols. Code, numbers, bit strings and a stray mis-decoded character in
+    real text count as text."""
+    junk = sum(1 for c in text if c == "\ufffd" or (unicodedata.category(c) == "Cc" and c not in "\n\r\t\f"))
+    if junk > 0.01 * len(text):
         return False
-    return re.search(r"[A-Za-z0-9+/=]{200,}", text) is None
+    # Encoded data mixes many symbols; a long run of one digit (a bit string) is still text.
+    return not any(len(set(run)) >= 16 for run in re.findall(r"[A-Za-z0-9+/=]{200,}", text))
 
 
 def _shingles(text: str, n: int = 3) -> set[bytes]:
@@ -115,6 +119,7 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
     keep: list[int] = []
     dropped: dict[str, int] = defaultdict(int)
     seen: set[bytes] = set()
+    duplicates = 0  # found but kept, with dedup = "none"
     for i, row in enumerate(rows):
         text = content_text(row)
         stripped = text.strip()
@@ -127,18 +132,21 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
         if o.drop_non_text and not looks_like_text(stripped):
             dropped["non_text"] += 1
             continue
-        if o.dedup != "none":
-            digest = hashlib.blake2b(normalized_text(row).encode(), digest_size=16).digest()
-            if digest in seen:
+        digest = hashlib.blake2b(normalized_text(row).encode(), digest_size=16).digest()
+        if digest in seen:
+            if o.dedup != "none":
                 dropped["duplicate"] += 1
                 continue
-            seen.add(digest)
+            duplicates += 1
+        seen.add(digest)
         keep.append(i)
     if o.dedup == "near" and keep:
         near = near_duplicates([normalized_text(rows[i]) for i in keep], o.near_threshold, seed=o.seed)
         dropped["near_duplicate"] += len(near)
         keep = [i for j, i in enumerate(keep) if j not in near]
     stats.update({f"dropped_{k}": v for k, v in dropped.items()})
+    if duplicates:
+        stats["duplicates_kept"] = duplicates
     stats["rows_kept"] = len(keep)
     if not keep:
         raise FtcoreError(f"{where}: no row is left after filtering and deduplication ({dict(dropped)})")
@@ -158,7 +166,7 @@ def split_indices(rows: list[dict], o: QualityOptions, where: str) -> tuple[list
         raise FtcoreError(f"{where}: validation = {o.validation} leaves {n - want} training rows of {n}; "
                           "choose a smaller share")
     rng = random.Random(o.seed)
-    if o.split == "random":
+    if o.split_strategy == "random":
         order = list(range(n))
         rng.shuffle(order)
         return sorted(order[want:]), sorted(order[:want])
@@ -171,7 +179,7 @@ def split_indices(rows: list[dict], o: QualityOptions, where: str) -> tuple[list
     for i, r in enumerate(rows):
         groups[json.dumps(r[column], sort_keys=True, default=str)].append(i)
     validation: list[int] = []
-    if o.split == "stratified":
+    if o.split_strategy == "stratified":
         share = want / n
         for key in sorted(groups):
             members = groups[key][:]

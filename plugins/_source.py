@@ -23,17 +23,18 @@ import io
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo
+from pydantic import AfterValidator, Field, PlainSerializer, ValidationInfo
 
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError, did_you_mean
 
 from . import _formats as F
+from ._quality import QualityOptions, clean_and_split
 
 log = logging.getLogger("ftcore")
 
@@ -74,7 +75,8 @@ def _resolve_paths(value: str | list[str], info: ValidationInfo) -> tuple[Path, 
     return tuple(dict.fromkeys(out))  # each file once
 
 
-Paths = Annotated[str | list[str], AfterValidator(_resolve_paths)]
+Paths = Annotated[str | list[str], AfterValidator(_resolve_paths),
+                  PlainSerializer(lambda files: [str(f) for f in files], return_type=list[str])]
 """A file, a glob or a list of them; validated to a tuple of existing files."""
 
 
@@ -90,9 +92,8 @@ def _check_columns(value: dict[str, str]) -> dict[str, str]:
 
 def _check_keep(value: list[str]) -> list[str]:
     for name in value:
-        if name in F.INTERNAL_COLUMNS or name.startswith("__"):
-            raise ValueError(f"{name!r} is a column of the internal schema and cannot be kept as it is; "
-                             f"rename it with columns = {{ ... }} or keep another column")
+        if name.startswith("__"):
+            raise ValueError(f"{name!r}: names starting with '__' are reserved")
     if len(set(value)) != len(value):
         raise ValueError("names a column twice")
     return value
@@ -101,8 +102,9 @@ def _check_keep(value: list[str]) -> list[str]:
 Format = Literal[F.FORMAT_NAMES]  # type: ignore[valid-type]
 
 
-class RowOptions(Options):
-    """Options every built-in source has."""
+class RowOptions(QualityOptions):
+    """Options every built-in source has: these, and the filters, dedup and split of
+    :class:`ftcore_plugins._quality.QualityOptions`."""
 
     format: Format = "auto"  # type: ignore[valid-type]
     columns: Annotated[dict[str, str], AfterValidator(_check_columns)] = {}
@@ -181,9 +183,25 @@ class RowSource(Component):
     def _fixed_format(self) -> str:
         return self.options.format
 
+    def splits(self) -> list[str]:
+        return ["train", "validation"] if getattr(self.options, "validation", None) else ["train"]
+
     def load(self, ctx: Any) -> Any:
+        """The rows as a Dataset; with ``validation`` set, ``{"train": ..., "validation": ...}``."""
         with _quiet_datasets():
-            return self._load(ctx)
+            data = self._load(ctx)
+        if not isinstance(self.options, QualityOptions):
+            return data
+        parts = clean_and_split(data, self.options, self.stats, f"data.{ctx.name}")
+        dropped = {k[len("dropped_"):]: v for k, v in self.stats.items() if k.startswith("dropped_") and v}
+        if dropped:
+            ctx.reporter.info(f"data [bold]{ctx.name}[/]: dropped " + ", ".join(
+                f"{v:,} {k.replace('_', ' ')}" for k, v in dropped.items()) + f"; {self.stats['rows_kept']:,} left")
+        if "validation" in parts:
+            ctx.reporter.info(f"data [bold]{ctx.name}[/]: {len(parts['train']):,} train, "
+                              f"{len(parts['validation']):,} validation rows ({self.options.split_strategy} split)")
+            return parts
+        return parts["train"]
 
     def _load(self, ctx: Any) -> Any:
         import datasets
@@ -232,6 +250,10 @@ class RowSource(Component):
                                   f"holds {kind.replace('_', ' ')} rows; one source holds one kind of rows: split "
                                   "them into separate [data.*] sources")
             kind, first_shown = unit_kind, first_shown or unit.shown
+            clash = [k for k in keep if k in F.KIND_COLUMNS[kind]]
+            if clash:
+                raise FtcoreError(f"{prefix}: keep names {', '.join(map(repr, clash))}, which is also a column of "
+                                  f"{kind.replace('_', ' ')} rows; keep it under another name, or not at all")
             out = self._convert(unit, fmt, kind, keep)
             formats.update(_value_counts(out, F.FORMAT_COLUMN))
             out, errors = _split_errors(out)
@@ -306,8 +328,8 @@ class RowSource(Component):
         o = self.options
         for ours, theirs in getattr(o, "columns", {}).items():
             if theirs not in names:
-                raise FtcoreError(f"{prefix}: {unit.shown}: columns maps {ours!r} to {theirs!r}, which is not a field of "
-                                  f"the file{did_you_mean(theirs, names)} (fields: {', '.join(names) or 'none'})")
+                raise FtcoreError(f"{prefix}: {unit.shown}: columns maps {ours!r} to {theirs!r}, which is not a "
+                                  f"field of the file{did_you_mean(theirs, names)} (fields: {', '.join(names) or 'none'})")
         for name in getattr(o, "keep", []):
             if name not in names:
                 raise FtcoreError(f"{prefix}: {unit.shown}: keep names {name!r}, which is not a field of the "
@@ -783,16 +805,26 @@ def read_text_python(path: Path, shown: str, unit_by: str, skip: bool) -> Unit:
 
 
 def hub_reachable(timeout: float = 3.0) -> str | None:
-    """None when the hub's host accepts a connection, else why not (no hang: one short try)."""
+    """None when the hub's host (or the proxy in between) accepts a connection, else why not:
+    one short try instead of minutes of retries."""
+    import os
     import socket
     from urllib.parse import urlparse
 
     from huggingface_hub import constants
 
     url = urlparse(constants.ENDPOINT)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    target, host, port = constants.ENDPOINT, url.hostname or "huggingface.co", url.port or \
+        (443 if url.scheme == "https" else 80)
+    names = ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY") if url.scheme == "https" else \
+        ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
+    no_proxy = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
+    proxy = next((os.environ[n] for n in names if os.environ.get(n)), None)
+    if proxy and not any(host.endswith(d.strip().lstrip(".")) for d in no_proxy.split(",") if d.strip()):
+        purl = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        target, host, port = f"the proxy {proxy}", purl.hostname or host, purl.port or 8080
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return None
     except OSError as exc:
-        return f"cannot reach {constants.ENDPOINT} ({exc.strerror or exc})"
+        return f"cannot reach {target} ({exc.strerror or exc})"

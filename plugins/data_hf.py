@@ -15,7 +15,8 @@ from ._source import RowOptions, RowSource, Unit, _first_line, _rows_of, hub_rea
 class HubSource(RowSource):
     """A Hugging Face Hub dataset (or one in the local cache), any row format.
 
-    A hub id (`org/name`), with an optional config `name`, `split` and `revision`. Offline (HF_HUB_OFFLINE=1) it is read from the local cache, or fails at once saying so."""
+    A hub id (`org/name`), with an optional config `name`, `split` and `revision`. Offline
+    (HF_HUB_OFFLINE=1) it is read from the local cache, or fails at once saying so."""
 
     name = "hf"
 

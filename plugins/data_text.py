@@ -8,8 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 import ftcore
-from ftcore.component import Options
-
+from ._quality import QualityOptions
 from ._source import FileSource, Paths, Unit, _first_line, _shown, read_text_python
 
 log = logging.getLogger("ftcore")
@@ -24,7 +23,7 @@ class TextSource(FileSource):
     name = "text"
     silent_skips = ("empty_text",)  # blank lines and empty files: counted, not warned about
 
-    class Options(Options):
+    class Options(QualityOptions):  # filters, dedup and splits, as every source has
         path: Paths
         unit: Literal["file", "line"] = "file"
         on_error: Literal["error", "skip"] = "error"

@@ -9,7 +9,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
-from ._chat import stop_token_ids
+from ._chat import stop_token_ids, template_messages
 
 
 def normalize(text: str) -> str:
@@ -37,7 +37,8 @@ class ExactMatch(Component):
         if not rows:
             raise FtcoreError("evaluator 'exact_match': no row ends with an assistant answer to compare with")
         tok, model = ctx.tokenizer, ctx.model
-        prompts = [ctx.template.render(r["messages"][:-1], tok, add_generation_prompt=True) for r in rows]
+        prompts = [ctx.template.render(template_messages(r["messages"][:-1]), tok, add_generation_prompt=True)
+                   for r in rows]
         device = next(model.parameters()).device
         stops = stop_token_ids(tok, ctx.template)
         side, tok.padding_side = tok.padding_side, "left"  # decoder-only models generate from the right edge

@@ -18,6 +18,7 @@ SHARED = ROOT.parent / "shared" / "fixtures"
 def _isolated_cache(tmp_path_factory):
     """Tests (and the CLI runs they start) use a cache of their own, never the user's."""
     os.environ["FTCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ftcore-cache"))
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf-datasets-cache"))
     yield
 
 

@@ -73,7 +73,7 @@ def test_json_lines_not_utf8(tmp_path):
     path = write(tmp_path, "l.jsonl", lines(ALPACA, {"instruction": "Café?", "output": "Oui."}).encode("latin-1"))
     msg = error(tmp_path, source("jsonl", path))
     assert msg.startswith("data.train: data/l.jsonl:2: not UTF-8 text (invalid continuation byte: byte 0xe9 at "
-                          "column 20)"), msg
+                          "column 21)"), msg
 
 
 def test_csv_not_utf8(tmp_path):
@@ -209,6 +209,16 @@ def test_columns_naming_a_field_the_file_lacks(tmp_path):
         "did you mean 'answer'? (fields: question, answer)")
 
 
+def test_kept_column_that_clashes_with_the_schema(tmp_path):
+    path = write(tmp_path, "k.jsonl", lines({**ALPACA, "label": "spam"}, {"text": "t", "label": "ham"}))
+    got = load_data(tmp_path, source("json", path, 'format = "alpaca"\nkeep = ["label"]\non_error = "skip"\n'))
+    assert got.ds.column_names == ["messages", "label"] and got.ds["label"] == ["spam"]
+    path = write(tmp_path, "t.jsonl", lines({"text": "t", "text2": "x"}))
+    assert error(tmp_path, source("json", path, 'keep = ["text"]\n')) == (
+        "data.train: keep names 'text', which is also a column of text rows; keep it under another name, "
+        "or not at all")
+
+
 def test_undetectable_format_suggests_columns_and_format(tmp_path):
     msg = error(tmp_path, source("csv", write(tmp_path, "q.csv", "question,answer\nA?,a\n")))
     assert msg.startswith("data.train: data/q.csv: row 1: cannot tell the row's format from its fields "
@@ -256,8 +266,7 @@ def test_skip_bad_csv_rows_and_non_utf8_lines(tmp_path):
 def test_skip_everything_is_still_an_error(tmp_path):
     path = write(tmp_path, "all.jsonl", lines({"messages": "a"}, {"messages": "b"}))
     assert error(tmp_path, source("json", path, 'on_error = "skip"\n')) == \
-        "data.train: no rows left: all 2 rows were skipped (wrong type: 1, wrong type: 1)".replace(
-            "wrong type: 1, wrong type: 1", "wrong type: 2")
+        "data.train: no rows left: all 2 rows were skipped (wrong type: 2)"
 
 
 def test_cli_prints_the_one_line(tmp_path):
@@ -268,5 +277,5 @@ def test_cli_prints_the_one_line(tmp_path):
                     encoding="utf-8")
     result = run_cli("run", str(plan), env={"HF_DATASETS_CACHE": str(tmp_path / "cache")}, timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    assert "data.train: data/x.jsonl:2: invalid JSON: Expecting ',' delimiter (column 21)" in result.stderr
+    assert result.stderr.splitlines() == [
+        "error: data.train: data/x.jsonl:2: invalid JSON: Expecting ',' delimiter (column 21)"]

@@ -214,7 +214,8 @@ def test_implicit_preference_splits_the_longest_common_prefix():
 
 def test_implicit_preference_answer_may_include_tool_turns_but_no_user_turn():
     shared = [u("q")]
-    row = {"chosen": [*shared, a("calling"), {"role": "tool", "content": "r"}, a("done")], "rejected": [*shared, a("no")]}
+    row = {"chosen": [*shared, a("calling"), {"role": "tool", "content": "r"}, a("done")],
+           "rejected": [*shared, a("no")]}
     out = convert(row)[2]
     assert out["prompt"] == shared and len(out["chosen"]) == 3
 
@@ -276,7 +277,8 @@ def test_text_rows_and_empty_text():
     ({"instruction": "i", "output": "o", "label": "spam"}, "alpaca"),  # a label alone does not make KTO
     ({"prompt": "p", "completion": "c"}, "prompt_completion"),
     ({"text": "t", "meta": 1}, "text"),
-    ({"text": "t", "messages": None}, "text"),  # null fields (Arrow fills them in) do not count
+    ({"text": "t", "messages": None}, "text"),  # null fields (Arrow fills them in) do not count ...
+    ({"instruction": None, "output": "o"}, "alpaca"),  # ... unless nothing else matches (an empty CSV cell)
 ])
 def test_detection_precedence(row, fmt):
     assert detect(row) == fmt

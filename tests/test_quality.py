@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -35,11 +36,11 @@ LONG = ("the quick brown fox jumps over the lazy dog while the farmer watches fr
 
 def test_exact_dedup_ignores_case_and_whitespace_but_not_words():
     rows = [text("Hello  World"), text("hello world"), text("hello world!"), text("HELLO\nWORLD")]
-    out, stats = run(rows)
+    out, stats = run(rows, dedup="exact")
     assert out["train"]["text"] == ["Hello  World", "hello world!"]
     assert stats["dropped_duplicate"] == 2
-    out, stats = run(rows, dedup="none")
-    assert len(out["train"]) == 4 and "dropped_duplicate" not in stats
+    out, stats = run(rows)  # the default keeps them, and counts them
+    assert len(out["train"]) == 4 and "dropped_duplicate" not in stats and stats["duplicates_kept"] == 2
 
 
 def test_near_dedup_drops_a_one_word_edit_and_keeps_different_texts():
@@ -54,7 +55,7 @@ def test_near_dedup_drops_a_one_word_edit_and_keeps_different_texts():
 
 def test_filters_count_each_reason():
     rows = [text(""), text("   "), text("hi"), text("fine text here"), text("x" * 500),
-            text("binary \x00\x01 junk"), text("QUJD" * 60), text("def f(x): return x * 2  # code is text")]
+            text("binary \x00\x01 junk"), text(base64.b64encode(bytes(range(200))).decode()), text("def f(x): return x * 2  # code is text")]
     out, stats = run(rows, min_chars=3, max_chars=300)
     assert out["train"]["text"] == ["fine text here", "def f(x): return x * 2  # code is text"]
     assert (stats["dropped_empty"], stats["dropped_too_short"], stats["dropped_too_long"],
@@ -73,14 +74,14 @@ def test_random_split_is_seeded_and_sized():
 
 def test_stratified_split_keeps_each_class_share():
     rows = [{"text": f"row {i}", "topic": "rare" if i % 10 == 0 else "common"} for i in range(200)]
-    out, _ = run(rows, validation=0.25, split="stratified", split_by="topic")
+    out, _ = run(rows, validation=0.25, split_strategy="stratified", split_by="topic")
     topics = out["validation"]["topic"]
     assert topics.count("rare") == 5 and topics.count("common") == 45
 
 
 def test_grouped_split_never_puts_a_group_on_both_sides():
     rows = [{"text": f"conversation {g} turn {t}", "conversation_id": g} for g in range(30) for t in range(4)]
-    out, _ = run(rows, validation=0.2, split="grouped", split_by="conversation_id")
+    out, _ = run(rows, validation=0.2, split_strategy="grouped", split_by="conversation_id")
     train, val = set(out["train"]["conversation_id"]), set(out["validation"]["conversation_id"])
     assert val and train and not train & val
     assert len(out["validation"]) % 4 == 0
@@ -88,14 +89,14 @@ def test_grouped_split_never_puts_a_group_on_both_sides():
 
 def test_dedup_runs_before_the_split_so_duplicates_cannot_straddle_it():
     rows = [text(f"row {i % 50}") for i in range(100)]  # every row twice
-    out, stats = run(rows, validation=0.5, seed=3)
+    out, stats = run(rows, validation=0.5, seed=3, dedup="exact")
     assert stats["dropped_duplicate"] == 50
     assert not set(out["train"]["text"]) & set(out["validation"]["text"])
 
 
 def test_split_options_are_checked():
     with pytest.raises(ValueError, match="split_by"):
-        options(split="grouped")
+        options(split_strategy="grouped")
     with pytest.raises(ValueError, match="between 0 and 1"):
         options(validation=1.5)
 

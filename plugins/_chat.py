@@ -156,6 +156,13 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
         pairs = [row_text(r, tokenizer, template, train_on_inputs, add_eos_to_text) for r in chunk]
         return [t for t, _ in pairs], [sp for _, sp in pairs]
 
+    if backend is not None:
+        # transformers leaves padding/truncation switched on in the Rust tokenizer after a
+        # padded call (an evaluator's batch generation, say); it resets them per call, and
+        # so must we, or every sample would be padded to its batch's longest.
+        backend.no_padding()
+        backend.no_truncation()
+
     def tokenize(texts: list[str]) -> list[tuple[list[int], _Offsets]]:
         if backend is not None:
             return [(e.ids, _Offsets(encoding=e)) for e in backend.encode_batch(texts, add_special_tokens=False)]

@@ -22,7 +22,7 @@ from ftcore.cache import cache_dir
 
 from ._chat import Truncation, encode
 
-DATA_LAYER_VERSION = 1  # bump when tokenization or masking changes behaviour
+DATA_LAYER_VERSION = 2  # bump when tokenization or masking changes behaviour
 
 _PROBE = [
     {"role": "system", "content": "S"},
@@ -56,7 +56,11 @@ def data_fingerprint(rows: Any) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    h = hashlib.sha256()
+    """The vocabulary, merges and rules, the added and special tokens, and the chat template.
+
+    The serialised tokenizer is the ground truth; its JSON is rebuilt from memory, so
+    changes made after loading (added tokens, a new template) count."""
+    h = hashlib.blake2b(digest_size=32)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     h.update((backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items())))
              .encode())

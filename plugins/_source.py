@@ -629,11 +629,7 @@ def read_json_python(path: Path, shown: str, skip: bool) -> Unit:
             raise FtcoreError(_json_error(shown, exc, text)) from None
         rows, row_lines = [], []
         for value, line in zip(values, lines):
-            if not isinstance(value, dict):
-                err = F.RowError(f"expected a JSON object, got {F._kind_of_value(value)}", "wrong_type")
-                if not skip:
-                    raise FtcoreError(f"{shown}:{line}: {err}")
-                unit.rejected.append((f"{shown}:{line}", err))
+            if not _is_object(value, f"{shown}:{line}", unit, skip):
                 continue
             rows.append(value)
             row_lines.append(line)
@@ -670,16 +666,23 @@ def read_json_python(path: Path, shown: str, skip: bool) -> Unit:
                 raise FtcoreError(f"{shown}:{lineno}: {message}") from None
             unit.rejected.append((f"{shown}:{lineno}", F.RowError(message, "invalid_json")))
             continue
-        if not isinstance(value, dict):
-            err = F.RowError(f"expected a JSON object, got {F._kind_of_value(value)}", "wrong_type")
-            if not skip:
-                raise FtcoreError(f"{shown}:{lineno}: {err}")
-            unit.rejected.append((f"{shown}:{lineno}", err))
+        if not _is_object(value, f"{shown}:{lineno}", unit, skip):
             continue
         rows.append(value)
         row_lines.append(lineno)
     unit.rows, unit.lines = rows, row_lines
     return unit
+
+
+def _is_object(value: Any, where: str, unit: Unit, skip: bool) -> bool:
+    """A JSON row must be an object; anything else is an error, or rejected when skipping."""
+    if isinstance(value, dict):
+        return True
+    err = F.RowError(f"expected a JSON object, got {F._kind_of_value(value)}", "wrong_type")
+    if not skip:
+        raise FtcoreError(f"{where}: {err}")
+    unit.rejected.append((where, err))
+    return False
 
 
 def json_locator(path: Path, shown: str) -> Callable[[list[int]], dict[int, str]]:

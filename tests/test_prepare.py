@@ -193,3 +193,57 @@ def test_padding_numbers_match_an_independent_count():
     assert report["packed_sequences"] == 3
     assert report["packing_efficiency"] == pytest.approx(85 / 120)
     assert report["padding_fraction_packed"] == pytest.approx(35 / 120)
+
+
+def test_real_sharegpt_tool_calls_become_trained_assistant_turns(tmp_path):
+    """glaive (ShareGPT with function calls) through the json source, the qwen2.5
+    template and the real Qwen tokenizer: every assistant turn is trained on, a tool
+    call as Qwen's <tool_call> block, and tool results are not."""
+    import json as _json
+
+    data_file = SHARED / "data" / "glaive_toolcall_en_demo.json"
+    if not data_file.exists():
+        pytest.skip("../shared/fixtures/data not present")
+    from ftcore.context import DataContext
+    from ftcore.reporter import Reporter
+    from ftcore_plugins._chat import IGNORE
+    from ftcore_plugins.data_json import JsonSource
+    from ftcore_plugins.template_qwen25 import Qwen25Template
+
+    source = JsonSource(JsonSource.Options.model_validate({"path": str(data_file)}))
+    rows = source.load(DataContext(None, Reporter(None, None, None, None), "glaive"))
+    i = next(i for i, r in enumerate(rows) if any(m["tool_calls"] for m in r["messages"]))
+    got = prep([rows[i]], qwen(), Qwen25Template(), max_length=None, use_cache=False)
+    ids, labels = got.dataset["input_ids"][0], got.dataset["labels"][0]
+    tok = qwen()
+    runs, current = [], []
+    for t, lab in zip(ids, labels):
+        if lab != IGNORE:
+            current.append(t)
+        elif current:
+            runs.append(tok.decode(current))
+            current = []
+    assistant = [m for m in rows[i]["messages"] if m["role"] == "assistant"]
+    assert len(runs) == len(assistant)
+    for run, message in zip(runs, assistant):
+        assert run.endswith("<|im_end|>")
+        if message["tool_calls"]:
+            call = _json.loads(message["tool_calls"])[0]["function"]
+            assert "<tool_call>" in run and call["name"] in run
+        else:
+            assert run == message["content"] + "<|im_end|>"
+    tool_results = [m["content"] for m in rows[i]["messages"] if m["role"] == "tool"]
+    assert tool_results and not any(r in run for r in tool_results for run in runs)
+
+
+def test_a_padded_call_before_does_not_pad_the_samples():
+    """transformers leaves padding on in the Rust tokenizer after tokenizer(..., padding=True),
+    as exact_match's batch generation does before training: tokenization must not inherit it."""
+    tok, template = qwen(), chatml()
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": LONG}]
+    clean = prep(rows, tok, template, max_length=None, use_cache=False)
+    tok(["short", "a much longer text than the first one"], padding=True)
+    after = prep(rows, tok, template, max_length=None, use_cache=False)
+    assert after.dataset["input_ids"] == clean.dataset["input_ids"]
+    assert len(after.dataset["input_ids"][0]) < len(after.dataset["input_ids"][1])

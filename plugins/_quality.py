@@ -111,37 +111,44 @@ def near_duplicates(texts: list[str], threshold: float, seed: int = 1, num_perm:
 
 def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: str) -> dict[str, Any]:
     """Filter, dedup and split a dataset. Returns ``{"train": ds}`` or
-    ``{"train": ds, "validation": ds}``; adds counts to ``stats``."""
-    rows = data.to_list() if len(data) <= 200_000 else None
-    if rows is None:
-        raise FtcoreError(f"{where}: quality filters and splits load rows into memory; "
-                          f"{len(data):,} rows is more than they are meant for (set dedup = \"none\")")
+    ``{"train": ds, "validation": ds}``; adds counts to ``stats``.
+
+    Rows are read in batches and only indices, 16-byte digests (and MinHashes for near
+    dedup) are held, so a memory-mapped dataset larger than memory stays on disk."""
     keep: list[int] = []
     dropped: dict[str, int] = defaultdict(int)
     seen: set[bytes] = set()
     duplicates = 0  # found but kept, with dedup = "none"
-    for i, row in enumerate(rows):
-        text = content_text(row)
-        stripped = text.strip()
-        if len(stripped) < o.min_chars:
-            dropped["empty" if not stripped else "too_short"] += 1
-            continue
-        if o.max_chars is not None and len(text) > o.max_chars:
-            dropped["too_long"] += 1
-            continue
-        if o.drop_non_text and not looks_like_text(stripped):
-            dropped["non_text"] += 1
-            continue
-        digest = hashlib.blake2b(normalized_text(row).encode(), digest_size=16).digest()
-        if digest in seen:
-            if o.dedup != "none":
-                dropped["duplicate"] += 1
+    near_texts: list[str] = []
+    offset = 0
+    for batch in data.iter(batch_size=10_000):
+        rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        for i, row in enumerate(rows, offset):
+            text = content_text(row)
+            stripped = text.strip()
+            if len(stripped) < o.min_chars:
+                dropped["empty" if not stripped else "too_short"] += 1
                 continue
-            duplicates += 1
-        seen.add(digest)
-        keep.append(i)
+            if o.max_chars is not None and len(text) > o.max_chars:
+                dropped["too_long"] += 1
+                continue
+            if o.drop_non_text and not looks_like_text(stripped):
+                dropped["non_text"] += 1
+                continue
+            normal = normalized_text(row)
+            digest = hashlib.blake2b(normal.encode(), digest_size=16).digest()
+            if digest in seen:
+                if o.dedup != "none":
+                    dropped["duplicate"] += 1
+                    continue
+                duplicates += 1
+            seen.add(digest)
+            keep.append(i)
+            if o.dedup == "near":
+                near_texts.append(normal)
+        offset += len(rows)
     if o.dedup == "near" and keep:
-        near = near_duplicates([normalized_text(rows[i]) for i in keep], o.near_threshold, seed=o.seed)
+        near = near_duplicates(near_texts, o.near_threshold, seed=o.seed)
         dropped["near_duplicate"] += len(near)
         keep = [i for j, i in enumerate(keep) if j not in near]
     stats.update({f"dropped_{k}": v for k, v in dropped.items()})
@@ -150,17 +157,21 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
     stats["rows_kept"] = len(keep)
     if not keep:
         raise FtcoreError(f"{where}: no row is left after filtering and deduplication ({dict(dropped)})")
+    kept = data if len(keep) == len(data) else data.select(keep)
     if o.validation is None:
-        return {"train": data.select(keep)}
-    train, validation = split_indices([rows[i] for i in keep], o, where)
+        return {"train": kept}
+    labels = kept[o.split_by] if o.split_strategy != "random" and o.split_by in kept.column_names else None
+    if o.split_strategy != "random" and labels is None:
+        raise FtcoreError(f"{where}: split_by = '{o.split_by}' but the rows have no such column "
+                          f"(columns: {', '.join(kept.column_names)}); add it to keep = [...]")
+    train, validation = split_indices(len(kept), labels, o, where)
     stats["train_rows"], stats["validation_rows"] = len(train), len(validation)
-    return {"train": data.select([keep[i] for i in train]), "validation": data.select([keep[i] for i in validation])}
+    return {"train": kept.select(train), "validation": kept.select(validation)}
 
 
-def split_indices(rows: list[dict], o: QualityOptions, where: str) -> tuple[list[int], list[int]]:
-    """Seeded train/validation indices: random, stratified by a column (each value keeps
-    its share on both sides), or grouped by a column (a group never straddles)."""
-    n = len(rows)
+def split_indices(n: int, labels: list | None, o: QualityOptions, where: str) -> tuple[list[int], list[int]]:
+    """Seeded train/validation indices over ``n`` rows: random, stratified by ``labels``
+    (each value keeps its share on both sides), or grouped by them (a group never straddles)."""
     want = o.validation if isinstance(o.validation, int) else round(n * o.validation)
     if not 1 <= want < n:
         raise FtcoreError(f"{where}: validation = {o.validation} leaves {n - want} training rows of {n}; "
@@ -170,14 +181,9 @@ def split_indices(rows: list[dict], o: QualityOptions, where: str) -> tuple[list
         order = list(range(n))
         rng.shuffle(order)
         return sorted(order[want:]), sorted(order[:want])
-    column = o.split_by
-    missing = next((i for i, r in enumerate(rows) if column not in r), None)
-    if missing is not None:
-        raise FtcoreError(f"{where}: split_by = '{column}' but row {missing} has no such column "
-                          f"(columns: {', '.join(rows[missing])}); add it to keep = [...]")
     groups: dict[str, list[int]] = defaultdict(list)
-    for i, r in enumerate(rows):
-        groups[json.dumps(r[column], sort_keys=True, default=str)].append(i)
+    for i, value in enumerate(labels):
+        groups[json.dumps(value, sort_keys=True, default=str)].append(i)
     validation: list[int] = []
     if o.split_strategy == "stratified":
         share = want / n
@@ -193,7 +199,7 @@ def split_indices(rows: list[dict], o: QualityOptions, where: str) -> tuple[list
                 break
             validation += groups[key]
         if len(validation) >= n:
-            raise FtcoreError(f"{where}: split_by = '{column}' has too few groups to hold out {want} rows "
+            raise FtcoreError(f"{where}: split_by = '{o.split_by}' has too few groups to hold out {want} rows "
                               "and keep any for training")
     held = set(validation)
     return [i for i in range(n) if i not in held], sorted(held)

@@ -141,3 +141,47 @@ data = "mixed"
 """)
     result = run_cli("validate", str(plan))
     assert result.returncode == 2 and "data.mixed.sources: undefined data 'nowhere'" in result.stderr
+
+
+def test_validation_split_is_referenced_as_name_colon_validation(tiny_project):
+    plan = tiny_project("""
+[data.all]
+use = "jsonl"
+path = "chat.jsonl"
+validation = 16
+dedup = "exact"
+
+[[stage]]
+trainer = "sft"
+data = "all"
+eval_data = "all:validation"
+adapter = "full"
+max_steps = 2
+
+[[evaluate]]
+use = "perplexity"
+data = "all:validation"
+""")
+    assert run_cli("validate", str(plan)).returncode == 0
+    result = run_cli("run", str(plan))
+    assert result.returncode == 0, result.stderr[-2000:]
+    run = tiny_project.dir / "runs" / "tiny"
+    report = json.loads((run / "data_report.json").read_text())
+    source = report["source/all"]
+    assert source["validation_rows"] == 16
+    assert source["train_rows"] + 16 == source["rows_kept"] == 64 - source.get("dropped_duplicate", 0)
+    assert report["0-sft/train"]["rows"] == source["train_rows"] and report["0-sft/eval"]["rows"] == 16
+    assert json.loads((run / "summary.json").read_text())["evaluations"]["after"]["perplexity"]["tokens"] > 0
+
+
+def test_a_split_that_is_not_held_out_is_a_plan_error(tiny_project):
+    plan = tiny_project("""
+[[stage]]
+trainer = "sft"
+data = "chat"
+eval_data = "chat:validation"
+""")
+    result = run_cli("validate", str(plan))
+    assert result.returncode == 2
+    assert "stage[0].eval_data: data 'chat' has no split 'validation'; it has: train" in result.stderr
+    assert "validation = 0.1" in result.stderr

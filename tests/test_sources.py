@@ -186,7 +186,7 @@ def test_list_of_paths_concatenates_in_order_and_limit_spans_files(tmp_path):
     assert got.ds[999]["messages"][0]["content"] == raw("glaive_toolcall_en_demo.json")[0]["conversations"][0]["value"]
     got = load_data(tmp_path, f'use = "json"\npath = ["{alpaca}", "{glaive}"]\nlimit = 1001\n')
     assert len(got.ds) == 1001 and [f["rows"] for f in got.stats["files"]] == [999, 2]
-    assert got.source.inputs() == [alpaca, glaive]
+    assert got.source.inputs() == [alpaca.resolve(), glaive.resolve()]
 
 
 # -- CSV and Parquet written here, with other column names --------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import rundir
+from . import memory, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
 from .errors import ComponentError, FtcoreError
 from .plan import Plan, Selected, Stage
@@ -61,6 +61,7 @@ class Runner:
         self.evaluations: dict[str, dict[str, Any]] = {}
         self.stage_metrics: dict[str, dict[str, Any]] = {}
         self.exports: dict[str, str] = {}
+        self.memory: dict[str, dict[str, Any]] = {}
 
     # -- paths ---------------------------------------------------------------------------
     def stage_dir(self, stage: Stage) -> Path:
@@ -82,6 +83,8 @@ class Runner:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
         self._notify("ftcore_run_start", run=self.info)
+        memory.reset_peak()
+        self._measure("baseline")
         try:
             self._steps()
         except BaseException as exc:
@@ -132,6 +135,8 @@ class Runner:
             self._evaluate("after", state.model, state.tokenizer)
         for export in exports:
             self._export(export, state)
+        if exports:
+            self._measure("exported")
 
     # -- steps -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -161,6 +166,7 @@ class Runner:
             if prepare is not None:
                 with calling(plan.template, "prepare"):
                     model, tokenizer = prepare(model, tokenizer)
+        self._measure("model loaded")
         self._base = (model, tokenizer)
         return self._base
 
@@ -198,6 +204,7 @@ class Runner:
             with calling(stage.adapter, "apply"):
                 model = stage.adapter.create().apply(model, self._adapter_ctx())
             adapter_from = stage.index
+            self._measure(f"{stage.name}: adapter applied")
         resume_from = _last_checkpoint(checkpoints) if self.resume else None
         with self._step(stage.name) as metrics:
             self.reporter.info(f"stage [bold]{stage.name}[/]: trainer '{stage.trainer.name}', "
@@ -207,8 +214,10 @@ class Runner:
                                self._load_data(stage.data),
                                self._load_data(stage.eval_data) if stage.eval_data else None,
                                folder, checkpoints, resume_from, self.plan.seed)
+            memory.reset_peak()
             with calling(stage.trainer, "train"):
                 metrics.update(stage.trainer.create().train(ctx) or {})
+            metrics.update(self._measure(f"{stage.name}: trained"))
             with calling(stage.adapter, "save"):
                 if self.info.is_main:
                     stage.adapter.create().save(ctx.model, folder / "output")
@@ -306,6 +315,14 @@ class Runner:
                 raise FtcoreError(f"{self.plan.path.name}: export '{export.name}': {path} already exists; "
                                   "choose another export path or move it away (ftcore never overwrites it)")
 
+    def _measure(self, point: str) -> dict[str, Any]:
+        """Record memory at a point of the run; peaks are since the last reset."""
+        values = memory.snapshot()
+        self.memory[point] = values
+        if self.reporter is not None:
+            self.reporter.log("memory", {f"{point}/{k}": v for k, v in values.items()})
+        return {f"memory/{k}": v for k, v in values.items()}
+
     def _notify(self, hook: str, **kwargs: Any) -> None:
         for problem in self.pm.notify(hook, **kwargs):
             if self.reporter is not None:
@@ -379,6 +396,7 @@ class Runner:
             "evaluations": self.evaluations,
             "stages": self.stage_metrics,
             "exports": self.exports,
+            "memory": self.memory,
             "steps": [{"name": s.name, "seconds": round(s.seconds, 2), "skipped": s.skipped} for s in self.steps],
         }
 

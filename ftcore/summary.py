@@ -40,6 +40,18 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
         table.add_row(step["name"], "skipped (done)" if step["skipped"] else f"{step['seconds']:.1f}", shown)
     console.print(table)
 
+    if summary.get("memory"):
+        table = Table(title="Memory (MiB, measured)", title_justify="left")
+        columns = [("rss_mib", "RSS"), ("peak_rss_mib", "peak RSS"), ("cuda_allocated_mib", "CUDA allocated"),
+                   ("cuda_reserved_mib", "CUDA reserved"), ("cuda_peak_allocated_mib", "CUDA peak")]
+        used = [c for c in columns if any(c[0] in v for v in summary["memory"].values())]
+        table.add_column("point")
+        for _, title in used:
+            table.add_column(title, justify="right")
+        for point, values in summary["memory"].items():
+            table.add_row(point, *(_fmt(values.get(key)) for key, _ in used))
+        console.print(table)
+
     if summary["exports"]:
         table = Table(title="Artifacts", title_justify="left")
         table.add_column("export")

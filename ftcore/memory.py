@@ -1,0 +1,52 @@
+"""Measured memory: process RSS and its peak from /proc, and CUDA memory when torch is
+already loaded. Nothing here imports torch.
+
+The peak is per step: ``reset_peak()`` clears the kernel's high-water mark (VmHWM) by
+writing 5 to /proc/self/clear_refs, and CUDA's peak statistics when CUDA is in use.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+
+
+def _status() -> dict[str, int]:
+    """VmRSS and VmHWM in bytes, from /proc/self/status (Linux)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak() -> None:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def snapshot() -> dict[str, Any]:
+    """Current and peak memory in MiB (peak since the last ``reset_peak``)."""
+    status = _status()
+    out: dict[str, Any] = {}
+    if "VmRSS" in status:
+        out["rss_mib"] = round(status["VmRSS"] / MiB, 1)
+        out["peak_rss_mib"] = round(status.get("VmHWM", status["VmRSS"]) / MiB, 1)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_allocated_mib"] = round(torch.cuda.memory_allocated() / MiB, 1)
+        out["cuda_reserved_mib"] = round(torch.cuda.memory_reserved() / MiB, 1)
+        out["cuda_peak_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
+    return out

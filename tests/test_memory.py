@@ -1,0 +1,55 @@
+"""Memory is measured, not estimated: RSS follows a real allocation, peaks reset per
+step, and a run records memory at each point of the run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import run_cli
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def test_rss_follows_an_allocation_and_the_peak_resets():
+    from ftcore.memory import reset_peak, snapshot
+
+    before = snapshot()
+    block = bytearray(256 * 2**20)
+    block[::4096] = b"\x01" * len(block[::4096])  # touch every page so it is resident
+    during = snapshot()
+    assert during["rss_mib"] - before["rss_mib"] == pytest.approx(256, rel=0.05)
+    del block
+    after_free = snapshot()
+    assert after_free["peak_rss_mib"] >= during["rss_mib"] - 1  # the high-water mark remembers (to a page run)
+    reset_peak()
+    reset = snapshot()
+    assert reset["peak_rss_mib"] < during["rss_mib"] - 200
+
+
+def test_a_run_records_memory_at_each_point(tiny_project):
+    plan = tiny_project("""
+[[stage]]
+name = "sft"
+trainer = "sft"
+data = "chat"
+adapter = { use = "lora", r = 4 }
+max_steps = 3
+
+[[export]]
+use = "merged"
+""")
+    result = run_cli("run", str(plan))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Memory (MiB, measured)" in result.stdout
+    run = tiny_project.dir / "runs" / "tiny"
+    memory = json.loads((run / "summary.json").read_text())["memory"]
+    assert list(memory) == ["baseline", "model loaded", "sft: adapter applied", "sft: trained", "exported"]
+    assert memory["model loaded"]["rss_mib"] > memory["baseline"]["rss_mib"]  # torch and a model are resident
+    assert memory["sft: trained"]["peak_rss_mib"] >= memory["sft: trained"]["rss_mib"]
+    stage = json.loads((run / "stages" / "sft" / "COMPLETE.json").read_text())["metrics"]
+    assert stage["memory/peak_rss_mib"] == memory["sft: trained"]["peak_rss_mib"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["stage"] == "memory" and "sft: trained/peak_rss_mib" in r for r in records)

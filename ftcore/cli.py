@@ -44,6 +44,22 @@ def _parser() -> argparse.ArgumentParser:
                          description="List every installed component, by kind, with the distribution providing it.")
     plg.add_argument("--json", action="store_true", help="machine-readable output")
 
+    init = sub.add_parser("init", parents=[common], help="write a starter plan from a few answers",
+                          description="Write a starter plan: method, rank, learning rate and epochs chosen from "
+                                      "your GPU memory, data and goal, each explained in a comment. Answers not "
+                                      "given as flags are asked for.")
+    init.add_argument("-o", "--output", default="plan.toml", help="where to write the plan (default plan.toml)")
+    init.add_argument("--model", help="base model: a local folder or a hub id")
+    init.add_argument("--gpu-memory", help="GPU memory per device, e.g. 24GB (0 for CPU only)")
+    init.add_argument("--data", help="training data file (JSON, JSON Lines)")
+    init.add_argument("--kind", choices=("instructions", "chat", "preferences", "text"), help="what the data holds")
+    init.add_argument("--rows", type=int, help="number of rows (counted from the file when omitted)")
+    init.add_argument("--goal", choices=("task", "domain", "alignment"), help="what the fine-tune is for")
+    init.add_argument("--kl", choices=("low", "high"), default=None,
+                      help="alignment: how much staying close to the base model matters")
+    init.add_argument("--name", help="run name (default: the plan file's name)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing plan file")
+
     cache = sub.add_parser("cache", parents=[common], help="show or clear the tokenized-data cache",
                            description="The cache of tokenized datasets that runs share "
                                        "(FTCORE_CACHE_DIR, default ~/.cache/ftcore).")
@@ -59,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import ComponentError, FtcoreError, PlanError
 
     try:
-        commands = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "cache": cmd_cache}
+        commands = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "cache": cmd_cache,
+                    "init": cmd_init}
         return commands[args.command](args)
     except PlanError as exc:
         for line in exc.problems:
@@ -144,6 +161,55 @@ def cmd_validate(args: argparse.Namespace) -> int:
     stages = " -> ".join(f"{s.name} ({s.trainer.name}, {s.adapter.name})" for s in plan.stages) or "no stages"
     print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
           f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
+    return 0
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from . import init
+    from .errors import FtcoreError
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise FtcoreError(f"{out}: already exists; choose another --output, or --force to overwrite it")
+    interactive = sys.stdin.isatty()
+    questions = {
+        "model": ("Base model (local folder or hub id)", None, None),
+        "gpu_memory": ("GPU memory per device, e.g. 24GB (0 for CPU only)", "0", None),
+        "data": ("Training data file", None, None),
+        "kind": ("What the data holds", "instructions", init.KINDS),
+        "goal": ("What the fine-tune is for", "task", init.GOALS),
+    }
+    values = {}
+    for key, (prompt, default, choices) in questions.items():
+        value = getattr(args, key)
+        if value is None and interactive:
+            value = init.ask(prompt, default, choices)
+        if value is None:
+            raise FtcoreError(f"init: --{key.replace('_', '-')} is required when not asked interactively")
+        values[key] = value
+    kl = args.kl or ("low" if values["goal"] != "alignment" or not interactive
+                     else init.ask("How much must the model stay close to the base (KL importance)", "low",
+                                   ("low", "high")))
+    try:
+        gb = init.parse_gb(values["gpu_memory"])
+    except ValueError as exc:
+        raise FtcoreError(f"init: --gpu-memory: {exc}") from None
+    data = Path(values["data"])
+    rows = args.rows if args.rows is not None else init.count_rows(data)
+    if rows is None:
+        raise FtcoreError(f"init: cannot count the rows of {data}; give --rows")
+    # Paths in a plan are relative to the plan's own folder.
+    data_ref = os.path.relpath(data.resolve(), out.resolve().parent) if data.exists() else str(data)
+    model = values["model"]
+    if Path(model).exists():
+        model = os.path.relpath(Path(model).resolve(), out.resolve().parent)
+    answers = init.Answers(model=model, gpu_memory_gb=gb, data=data_ref, kind=values["kind"], rows=rows,
+                           goal=values["goal"], kl=kl, name=args.name or out.stem)
+    out.write_text(init.write_plan(answers), encoding="utf-8")
+    print(f"wrote {out}: {init.method(gb)[0]}, {rows:,} rows; check it with: ftcore validate {out}")
     return 0
 
 

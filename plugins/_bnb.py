@@ -110,9 +110,10 @@ def keep_trainable_fp32(model) -> None:
     TRL's trainers cast every trainable parameter of a quantized model to bf16 when they are
     constructed. bf16 cannot hold the small updates of a low learning rate, so adapters would
     stop learning; the QLoRA recipe keeps them in fp32 (the compute dtype only applies to the
-    4-bit matmuls). A forward pre-hook on the input embeddings (which every forward reaches
-    through ``__call__``, unlike peft's wrappers, which call ``forward`` directly) casts them
-    back before the first training step, so gradients and optimizer state are fp32 too.
+    k-bit matmuls). A forward pre-hook on the decoder (transformers' ``base_model``, which
+    every forward reaches through ``__call__``; peft's wrappers call ``forward`` directly and
+    skip hooks on the outer model) casts them back before the first training step, so
+    gradients and optimizer state are fp32 too.
     """
     import torch
 
@@ -123,10 +124,11 @@ def keep_trainable_fp32(model) -> None:
             if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
                 p.data = p.data.to(torch.float32)
 
-    embeddings = model.get_input_embeddings()
-    if not getattr(embeddings, "_ftcore_keep_fp32", False):
-        embeddings.register_forward_pre_hook(upcast)
-        embeddings._ftcore_keep_fp32 = True
+    # Not the input embeddings: a template that adds tokens replaces that module after prepare().
+    decoder = getattr(model, "base_model", None) or model
+    if not getattr(decoder, "_ftcore_keep_fp32", False):
+        decoder.register_forward_pre_hook(upcast)
+        decoder._ftcore_keep_fp32 = True
 
 
 def compute_dtype(name: str):

@@ -23,6 +23,7 @@ class SFTTrainer(Component):
 
     def train(self, ctx):
         o = self.options
+        ctx.train_data, ctx.eval_data = chosen_as_chat(ctx.train_data), chosen_as_chat(ctx.eval_data)
         columns = set(ctx.train_data.column_names)
         if "messages" not in columns and not {"prompt", "completion"} <= columns:
             raise FtcoreError(f"stage {ctx.stage}: trainer 'sft' needs chat rows (messages, Alpaca, ShareGPT, ...) "
@@ -32,6 +33,16 @@ class SFTTrainer(Component):
                                             train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
                                             packed_length=o.max_length)
         return run_trl(ctx, o, train, evaluation, packing=o.packing, packing_strategy="bfd")
+
+
+def chosen_as_chat(data):
+    """Preference pairs train SFT on their chosen answers: prompt + chosen as one chat
+    (the usual first stage of SFT -> reward model -> PPO)."""
+    if data is None or not {"prompt", "chosen"} <= set(data.column_names) or \
+            not isinstance(data[0]["prompt"], list):
+        return data
+    return data.map(lambda row: {"messages": row["prompt"] + row["chosen"]},
+                    remove_columns=data.column_names)
 
 
 @ftcore.hookimpl

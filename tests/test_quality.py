@@ -185,3 +185,25 @@ eval_data = "chat:validation"
     assert result.returncode == 2
     assert "stage[0].eval_data: data 'chat' has no split 'validation'; it has: train" in result.stderr
     assert "validation = 0.1" in result.stderr
+
+
+def test_sft_on_preference_pairs_trains_on_prompt_and_chosen(tiny_project):
+    rows = [{"prompt": [{"role": "user", "content": "Which is an animal? red fox tree"}],
+             "chosen": [{"role": "assistant", "content": "the fox"}],
+             "rejected": [{"role": "assistant", "content": "the tree"}]}] * 8
+    write_jsonl(tiny_project.dir / "pairs.jsonl", rows)
+    plan = tiny_project("""
+[data.pairs]
+use = "jsonl"
+path = "pairs.jsonl"
+
+[[stage]]
+trainer = "sft"
+data = "pairs"
+adapter = "full"
+max_steps = 1
+""")
+    result = run_cli("run", str(plan))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tiny_project.dir / "runs" / "tiny" / "data_report.json").read_text())
+    assert report["0-sft/train"]["kept"] == 8 and report["0-sft/train"]["label_tokens"] > 0

@@ -1,0 +1,88 @@
+"""`ftcore init` writes plans that validate, choosing the method, rank, learning rate
+and epochs by the documented decision tree."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import run_cli
+
+
+def init(tmp_path, *flags, rows=500, kind_rows=None):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in (kind_rows or [{"instruction": "a", "output": "b"}] * rows)))
+    plan = tmp_path / "plan.toml"
+    result = run_cli("init", "-o", str(plan), "--data", str(data), "--model", "org/model", *flags)
+    assert result.returncode == 0, result.stderr
+    return plan, plan.read_text()
+
+
+def key(text, name):
+    m = re.search(rf"^{name} = (.+?)(\s+#.*)?$", text, re.M)
+    return m.group(1) if m else None
+
+
+@pytest.mark.parametrize("gpu, method", [("0", "qlora"), ("12GB", "qlora"), ("24GB", "lora"), ("80GB", "full")])
+def test_gpu_memory_picks_the_method_and_the_plan_validates(tmp_path, gpu, method):
+    plan, text = init(tmp_path, "--gpu-memory", gpu, "--kind", "instructions", "--goal", "task")
+    if method == "qlora":
+        assert 'use = "bnb-nf4"' in text and "bnb_4bit_use_double_quant = true" in text
+        assert int(key(text, "r")) <= 32 and key(text, "gradient_checkpointing") == "true"
+    elif method == "lora":
+        assert 'use = "lora"' in text and 16 <= int(key(text, "r")) <= 64 and 'dtype = "bfloat16"' in text
+        assert "bnb-nf4" not in text
+    else:
+        assert '[adapter]\nuse = "full"' in text and "DeepSpeed" in text
+    assert text.count("# ") >= 6  # the choices are explained
+    result = run_cli("validate", str(plan))
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("rows, epochs", [(300, range(5, 11)), (5_000, range(3, 6)), (50_000, range(1, 4))])
+def test_data_size_sets_epochs_and_learning_rate(tmp_path, rows, epochs):
+    plan, text = init(tmp_path, "--gpu-memory", "24GB", "--kind", "chat", "--goal", "task", "--rows", str(rows))
+    assert int(key(text, "epochs")) in epochs
+    lr = float(key(text, "learning_rate"))
+    assert lr > 2e-4 if rows < 1000 else lr == 2e-4
+    assert run_cli("validate", str(plan)).returncode == 0
+
+
+def test_rows_are_counted_from_the_file(tmp_path):
+    _, text = init(tmp_path, "--gpu-memory", "24GB", "--kind", "instructions", "--goal", "task", rows=1500)
+    assert "1,500 rows" in text and int(key(text, "epochs")) in range(3, 6)
+
+
+def test_raw_text_for_a_domain_shift_is_continued_pretraining(tmp_path):
+    plan, text = init(tmp_path, "--gpu-memory", "24GB", "--kind", "text", "--goal", "domain",
+                      kind_rows=[{"text": "some domain text"}] * 200)
+    assert 'trainer = "pretrain"' in text
+    assert run_cli("validate", str(plan)).returncode == 0
+
+
+@pytest.mark.parametrize("kl, trainers", [("low", ["dpo"]), ("high", ["sft", "reward", "ppo"])])
+def test_alignment_follows_kl_importance(tmp_path, kl, trainers):
+    pairs = [{"prompt": "q", "chosen": "good", "rejected": "bad"}] * 100
+    plan, text = init(tmp_path, "--gpu-memory", "12GB", "--kind", "preferences", "--goal", "alignment",
+                      "--kl", kl, kind_rows=pairs)
+    assert re.findall(r'^trainer = "(\w+)"', text, re.M) == trainers
+    result = run_cli("validate", str(plan))
+    installed = json.loads(run_cli("plugins", "--json").stdout)["components"]["trainer"]
+    missing = [t for t in trainers if t not in {c["name"] for c in installed}]
+    if not missing:
+        assert result.returncode == 0, result.stderr
+    else:  # until those trainers are installed, they are the plan's only problems
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and all("trainer" in line for line in lines), result.stderr
+        assert sorted(re.findall(r"unknown trainer '(\w+)'", result.stderr)) == sorted(missing)
+
+
+def test_init_never_overwrites_a_plan_and_needs_answers_without_a_terminal(tmp_path):
+    plan, _ = init(tmp_path, "--gpu-memory", "24GB", "--kind", "chat", "--goal", "task")
+    again = run_cli("init", "-o", str(plan), "--model", "m", "--gpu-memory", "1", "--data", "x", "--kind", "chat",
+                    "--goal", "task")
+    assert again.returncode == 2 and "already exists" in again.stderr
+    missing = run_cli("init", "-o", str(tmp_path / "new.toml"), "--model", "m")
+    assert missing.returncode == 2 and "--gpu-memory is required" in missing.stderr

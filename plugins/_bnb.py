@@ -100,6 +100,7 @@ class BnbQuantizer(Component):
         # uses one: it follows generation_config.use_cache, not config.use_cache.
         model.config.use_cache = False
         keep_trainable_fp32(model)
+        keep_cpu_layout_trainable(model)
         return model
 
 
@@ -129,6 +130,22 @@ def keep_trainable_fp32(model) -> None:
     if not getattr(decoder, "_ftcore_keep_fp32", False):
         decoder.register_forward_pre_hook(upcast)
         decoder._ftcore_keep_fp32 = True
+
+
+def keep_cpu_layout_trainable(model) -> None:
+    """Stop bitsandbytes repacking 4-bit weights into its CPU inference layout.
+
+    On a CPU with AVX512-BF16, a ``Linear4bit`` that runs a forward in eval mode without
+    gradients (an evaluation before training, or an ``eval_data`` pass between epochs)
+    rewrites its weight into a layout that only the ``gemv_4bit`` kernel reads, and that
+    kernel has no backward: later training forwards then pass no gradient back through the
+    base layers, so every adapter below the last layer silently stops learning (bitsandbytes
+    0.50 only warns that "an autograd kernel was not registered"). A model prepared for
+    training keeps the standard layout; evaluation on the CPU is then somewhat slower.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def compute_dtype(name: str):

@@ -26,6 +26,20 @@ class TrainOptions(Options):
     save_total_limit: int = 2
 
 
+def trainable_counts(model: Any) -> dict[str, Any]:
+    """Trainable and total parameters, and the trainable share in percent (4-bit weights counted
+    unpacked, as peft does)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if p.__class__.__name__ == "Params4bit":  # two 4-bit values per stored byte
+            n *= 2 * (p.element_size() if hasattr(p, "element_size") else 1)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return {"trainable_params": trainable, "total_params": total,
+            "trainable_percent": 100.0 * trainable / total if total else 0.0}
+
+
 def progress_callback(reporter: Any, stage: str):
     from transformers import TrainerCallback
 
@@ -97,13 +111,21 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
         dataset_num_proc=None,
         dataloader_pin_memory=cuda,
     )
+    # An adapter that brings its own optimizer (loraplus) leaves a builder on the model,
+    # ``model.ftcore_optimizer(model, training_args)``: the StageContext does not carry the adapter.
+    # Passed as a factory, the Trainer builds it once the model is on its device.
+    build = getattr(ctx.model, "ftcore_optimizer", None)
+    own_optimizer = ((lambda: lambda model: build(model, config)), {}) if build is not None else None
+    counts = trainable_counts(ctx.model)
+    ctx.reporter.log(ctx.stage, counts, step=0)
     trainer = SFTTrainer(model=ctx.model, args=config, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=ctx.tokenizer, callbacks=[progress_callback(ctx.reporter, ctx.stage)])
+                         processing_class=ctx.tokenizer, callbacks=[progress_callback(ctx.reporter, ctx.stage)],
+                         optimizer_cls_and_kwargs=own_optimizer)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
     ctx.model = trainer.model
     metrics: dict[str, Any] = {"train_loss": result.training_loss, "global_step": result.global_step,
-                               "train_seconds": result.metrics.get("train_runtime")}
+                               "train_seconds": result.metrics.get("train_runtime"), **counts}
     # Real (non-padding) tokens, as counted by TRL from the attention masks it trained on.
     tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
     if tokens:

@@ -1,49 +1,67 @@
-"""Adapter ``lora``: low-rank adapters through peft."""
+"""Adapter ``lora``: low-rank adapters through peft.
+
+Also what the other peft adapters share: :class:`PeftAdapter` (apply, save, restore, merge
+through peft, and the trainable-parameter report) and :class:`LoraAdapter`, which the LoRA
+variants (``dora``, ``rslora``, ``pissa``, ``olora``, ``loftq``, ``loraplus``) subclass.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 import ftcore
 from ftcore.component import Component, Options
 
+from ._training import trainable_counts
+
+Preset = Literal["all-linear", "attention", "mlp"]
+
 
 def report_trainable(model, reporter, label: str) -> dict:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    share = 100.0 * trainable / total if total else 0.0
-    reporter.info(f"{label}: {trainable:,} trainable parameters of {total:,} ({share:.2f}%)")
-    return {"trainable_params": trainable, "total_params": total, "trainable_percent": share}
+    """Report how many parameters train; returns the counts (also the stage's metrics: see run_trl)."""
+    counts = trainable_counts(model)
+    reporter.info(f"{label}: {counts['trainable_params']:,} trainable parameters of {counts['total_params']:,} "
+                  f"({counts['trainable_percent']:.2f}%)")
+    return counts
 
 
-class LoraAdapter(Component):
-    """LoRA (peft): trains low-rank updates to the chosen linear layers."""
+class PeftAdapter(Component):
+    """Base of the adapters peft implements: subclasses set ``name`` and ``Options`` and build the
+    peft config in :meth:`peft_config`.
 
-    name = "lora"
-    peft = True  # produces a peft adapter folder
+    ``save`` writes the adapter folder (``save_pretrained``: adapter weights as safetensors and
+    ``adapter_config.json``); ``restore`` loads it onto the base with ``PeftModel.from_pretrained``,
+    trainable; ``merge`` folds it into the weights with ``merge_and_unload``.
+    """
 
-    class Options(Options):
-        r: int = 8
-        lora_alpha: int = 16
-        lora_dropout: float = 0.0
-        target_modules: list[str] | Literal["all-linear"] = "all-linear"
-        bias: Literal["none", "all", "lora_only"] = "none"
-        use_rslora: bool = False
-        modules_to_save: list[str] | None = None
+    peft: ClassVar[bool] = True  # produces a peft adapter folder (the `adapter` exporter checks this)
+    mergeable: ClassVar[bool] = True  # merge_and_unload can fold it into the weights
+    full_precision_base: ClassVar[bool] = False  # its initialisation rewrites full-precision base weights
 
-    def config(self):
-        from peft import LoraConfig
+    def peft_config(self, model: Any, ctx: Any) -> Any:
+        raise NotImplementedError
 
-        o = self.options
-        return LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
-                          target_modules=o.target_modules, bias=o.bias, use_rslora=o.use_rslora,
-                          modules_to_save=o.modules_to_save)
+    def label(self) -> str:
+        return f"adapter {self.name}"
+
+    def attach(self, model: Any) -> None:
+        """Called on the peft model after apply and restore: for what must ride along with it."""
+
+    def check(self, plan) -> list[str]:
+        if self.full_precision_base and plan.quantizer.name != "none":
+            return [f"adapter '{self.name}' initialises from the full-precision weights and rewrites them, which "
+                    f"peft cannot do on quantizer '{plan.quantizer.name}' weights; use [quantizer] use = \"none\", "
+                    "or adapter \"lora\" on quantized weights"]
+        return []
 
     def apply(self, model, ctx):
         from peft import get_peft_model
 
-        model = get_peft_model(model, self.config())
-        report_trainable(model, ctx.reporter, f"adapter {self.name} (r={self.options.r})")
+        model = get_peft_model(model, self.peft_config(model, ctx))
+        self.attach(model)
+        report_trainable(model, ctx.reporter, self.label())
         return model
 
     def save(self, model, path):
@@ -52,10 +70,53 @@ class LoraAdapter(Component):
     def restore(self, base, path, ctx):
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(base, path, is_trainable=True)
+        model = PeftModel.from_pretrained(base, path, is_trainable=True)
+        self.attach(model)
+        return model
 
     def merge(self, model):
         return model.merge_and_unload()
+
+
+class LoraCommonOptions(Options):
+    """What every LoRA variant takes (peft's LoraConfig names)."""
+
+    r: int = Field(8, gt=0)
+    lora_alpha: int = Field(16, gt=0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] | Preset = "all-linear"
+    bias: Literal["none", "all", "lora_only"] = "none"
+    modules_to_save: list[str] | None = None
+
+
+class LoraOptions(LoraCommonOptions):
+    use_rslora: bool = False
+
+
+class LoraAdapter(PeftAdapter):
+    """LoRA (peft): trains low-rank updates to the chosen linear layers."""
+
+    name = "lora"
+    Options = LoraOptions
+
+    def lora_kwargs(self) -> dict[str, Any]:
+        """What a variant adds to or changes in the LoraConfig."""
+        return {"use_rslora": getattr(self.options, "use_rslora", False)}
+
+    def label(self) -> str:
+        return f"adapter {self.name} (r={self.options.r})"
+
+    def peft_config(self, model, ctx):
+        from peft import LoraConfig
+
+        from ._targets import resolve
+
+        o = self.options
+        targets = resolve(model, o.target_modules)
+        ctx.reporter.info(f"adapter {self.name}: targets {targets.describe()}")
+        return LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
+                          target_modules=targets.names, fan_in_fan_out=targets.conv1d, bias=o.bias,
+                          modules_to_save=o.modules_to_save, **self.lora_kwargs())
 
 
 @ftcore.hookimpl

@@ -60,6 +60,17 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--name", help="run name (default: the plan file's name)")
     init.add_argument("--force", action="store_true", help="overwrite an existing plan file")
 
+    est = sub.add_parser("estimate", parents=[common], help="predict each stage's peak memory, loading no weights",
+                         description="Predict each stage's peak memory (weights, gradients, optimizer state, "
+                                     "activations, overhead) from the model's config, on the meta device: no "
+                                     "weights are loaded and nothing is downloaded. Exits 2 for a bad plan, 1 when "
+                                     "--budget is given and a stage does not fit.")
+    est.add_argument("plan", help="path to plan.toml")
+    est.add_argument("--budget", help="memory available, e.g. 16GB or 800MB (binary units: 16GB = 16 GiB)")
+    est.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="where the run would train (default: cuda if this machine has one, else cpu)")
+    est.add_argument("--json", action="store_true", help="machine-readable output")
+
     cache = sub.add_parser("cache", parents=[common], help="show or clear the tokenized-data cache",
                            description="The cache of tokenized datasets that runs share "
                                        "(FTCORE_CACHE_DIR, default ~/.cache/ftcore).")
@@ -76,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "cache": cmd_cache,
-                    "init": cmd_init}
+                    "init": cmd_init, "estimate": cmd_estimate}
         return commands[args.command](args)
     except PlanError as exc:
         for line in exc.problems:
@@ -238,3 +249,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     summary = Runner(plan, pm, console, resume=args.resume, force=args.force).run()
     print_summary(console, summary)
     return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .estimate import main_estimate
+    from .plan import load_plan
+
+    _, registry = _plugins(args)
+    plan = load_plan(args.plan, registry)
+    return main_estimate(plan, device=args.device, budget=args.budget, as_json=args.json, console=Console())

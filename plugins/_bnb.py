@@ -29,7 +29,6 @@ MERGING_EXPORTERS = ("merged",)
 class BnbOptions(Options):
     """Options every bitsandbytes quantizer takes (transformers' ``BitsAndBytesConfig`` names)."""
 
-    llm_int8_skip_modules: list[str] | None = None  # module names kept in full precision (lm_head always is)
     gradient_checkpointing: bool = True  # non-reentrant, turned on by prepare(); off trades memory for speed
 
 
@@ -58,12 +57,14 @@ class BnbQuantizer(Component):
             elif previous is not None and getattr(previous.reg.cls, "peft", False) and not (
                     previous.reg is adapter.reg and previous.options == adapter.options):
                 problems.append(f"stage '{stage.name}' changes the adapter, which would merge the previous one into "
-                                f"the {bits} base weights (re-quantizing them, so most of the update is lost); "
+                                f"the {bits} base weights (re-quantizing them rounds away much of the update); "
                                 "give every stage the same adapter, or use [quantizer] use = \"none\"")
             previous = adapter
         for export in plan.exports:
             if export.exporter.name in MERGING_EXPORTERS:
-                problems.append(f"export '{export.name}' (use = \"{export.exporter.name}\") would merge the adapter "
+                which = f"export '{export.name}'" + (
+                    f" (use = \"{export.exporter.name}\")" if export.name != export.exporter.name else "")
+                problems.append(f"{which} would merge the adapter "
                                 f"into the {bits} weights (re-quantizing them, lossy) and write a bitsandbytes "
                                 "checkpoint; export use = \"adapter\" and merge it into the full-precision base "
                                 "model instead")
@@ -103,6 +104,17 @@ class BnbQuantizer(Component):
         keep_cpu_layout_trainable(model)
         return model
 
+    # -- ftcore estimate (optional; see plugins/_estimate.py) ---------------------------------
+    def prepare_meta(self, model):
+        from ._estimate import bnb_prepare_meta
+
+        return bnb_prepare_meta(self, model)
+
+    def weight_bytes(self, model) -> int:
+        from ._estimate import bnb_weight_bytes
+
+        return bnb_weight_bytes(self, model)
+
 
 def keep_trainable_fp32(model) -> None:
     """Keep trainable parameters (the adapter) in fp32 while training a quantized model.
@@ -126,7 +138,8 @@ def keep_trainable_fp32(model) -> None:
                 p.data = p.data.to(torch.float32)
 
     # Not the input embeddings: a template that adds tokens replaces that module after prepare().
-    decoder = getattr(model, "base_model", None) or model
+    decoder = getattr(model, "base_model", None)
+    decoder = model if decoder is None else decoder
     if not getattr(decoder, "_ftcore_keep_fp32", False):
         decoder.register_forward_pre_hook(upcast)
         decoder._ftcore_keep_fp32 = True
@@ -174,8 +187,7 @@ def four_bit_config(quant_type: str, o: Any):
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
                               bnb_4bit_use_double_quant=o.bnb_4bit_use_double_quant,
                               bnb_4bit_compute_dtype=compute_dtype(o.bnb_4bit_compute_dtype),
-                              bnb_4bit_quant_storage=o.bnb_4bit_quant_storage,
-                              llm_int8_skip_modules=o.llm_int8_skip_modules)
+                              bnb_4bit_quant_storage=o.bnb_4bit_quant_storage)
 
 
 class FourBitOptions(BnbOptions):

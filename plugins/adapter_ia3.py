@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 import ftcore
 from ftcore.component import Options
 
-from .adapter_lora import PeftAdapter, Preset
+from .adapter_lora import PeftAdapter, TargetModules
 
 
 class Ia3Adapter(PeftAdapter):
@@ -17,8 +19,8 @@ class Ia3Adapter(PeftAdapter):
     name = "ia3"
 
     class Options(Options):
-        target_modules: list[str] | Preset = "all-linear"
-        feedforward_modules: list[str] | Literal["auto"] = "auto"  # auto: the MLP output projections
+        target_modules: TargetModules = "all-linear"
+        feedforward_modules: Annotated[list[str], Field(min_length=1)] | Literal["auto"] = "auto"  # auto: the MLP output projections
         modules_to_save: list[str] | None = None
 
     def peft_config(self, model, ctx):

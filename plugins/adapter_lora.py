@@ -7,7 +7,8 @@ variants (``dora``, ``rslora``, ``pissa``, ``olora``, ``loftq``, ``loraplus``) s
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+import hashlib
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -17,6 +18,7 @@ from ftcore.component import Component, Options
 from ._training import trainable_counts
 
 Preset = Literal["all-linear", "attention", "mlp"]
+TargetModules = Annotated[list[str], Field(min_length=1)] | Preset  # a preset, or module names (see _targets)
 
 
 def report_trainable(model, reporter, label: str) -> dict:
@@ -46,6 +48,13 @@ class PeftAdapter(Component):
     def label(self) -> str:
         return f"adapter {self.name}"
 
+    def init_seed(self, plan_seed: int) -> int:
+        """The seed of the adapter's random initialisation: derived from the plan's seed, this adapter's
+        name and options, never the plan's seed itself. The model loader seeds with that: the same
+        stream would draw the adapter's matrices from the numbers that initialised the weights."""
+        key = f"{plan_seed}:adapter:{self.name}:{self.options.model_dump_json()}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**63
+
     def attach(self, model: Any) -> None:
         """Called on the peft model after apply and restore: for what must ride along with it."""
 
@@ -57,9 +66,16 @@ class PeftAdapter(Component):
         return []
 
     def apply(self, model, ctx):
+        import torch
         from peft import get_peft_model
 
-        model = get_peft_model(model, self.peft_config(model, ctx))
+        config = self.peft_config(model, ctx)
+        # The adapter's random initialisation is seeded by the plan, whatever ran before it: a resumed
+        # run, which restores earlier stages instead of training them, starts this one the same.
+        with torch.random.fork_rng():
+            if ctx.run is not None:
+                torch.manual_seed(self.init_seed(ctx.run.plan.seed))
+            model = get_peft_model(model, config)
         self.attach(model)
         report_trainable(model, ctx.reporter, self.label())
         return model
@@ -84,7 +100,7 @@ class LoraCommonOptions(Options):
     r: int = Field(8, gt=0)
     lora_alpha: int = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] | Preset = "all-linear"
+    target_modules: TargetModules = "all-linear"
     bias: Literal["none", "all", "lora_only"] = "none"
     modules_to_save: list[str] | None = None
 

@@ -106,7 +106,8 @@ class PromptTuningAdapter(PromptLearningAdapter):
         return problems
 
     def _tokenizer(self, plan) -> str | None:
-        loader = plan.model.options
+        """The tokenizer for TEXT init: the option, else the model loader's ``tokenizer`` or ``path``."""
+        loader = plan.model.options if plan is not None else None
         found = self.options.tokenizer_name_or_path or getattr(loader, "tokenizer", None) \
             or getattr(loader, "path", None)
         return str(found) if found else None
@@ -120,8 +121,11 @@ class PromptTuningAdapter(PromptLearningAdapter):
         o = self.options
         text = {}
         if o.prompt_tuning_init == "TEXT":
-            text = {"prompt_tuning_init_text": o.prompt_tuning_init_text,
-                    "tokenizer_name_or_path": self._tokenizer(ctx.run.plan)}
+            tokenizer = self._tokenizer(ctx.run.plan if ctx.run is not None else None)
+            if tokenizer is None:
+                raise FtcoreError("adapter prompt_tuning: prompt_tuning_init = \"TEXT\" needs "
+                                  "tokenizer_name_or_path (a tokenizer folder or hub id)")
+            text = {"prompt_tuning_init_text": o.prompt_tuning_init_text, "tokenizer_name_or_path": tokenizer}
         return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=o.num_virtual_tokens,
                                   prompt_tuning_init=o.prompt_tuning_init, **text)
 

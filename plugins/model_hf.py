@@ -64,6 +64,18 @@ class HFModelLoader(Component):
             tokenizer.pad_token = tokenizer.eos_token
         return model, tokenizer
 
+    def meta_model(self):
+        """For ``ftcore estimate``: the model on the meta device (no weights read) and its config."""
+        from ._estimate import hf_meta_model
+
+        return hf_meta_model(self)
+
+    def checkpoint_residue_bytes(self, quantized: bool) -> int:
+        """For ``ftcore estimate``: checkpoint file pages that stay resident after loading."""
+        from ._estimate import hf_checkpoint_residue_bytes
+
+        return hf_checkpoint_residue_bytes(self, quantized)
+
 
 @ftcore.hookimpl
 def register_model_loaders(register):

@@ -108,6 +108,12 @@ class ScratchModelLoader(Component):
         ctx.reporter.info(f"trained a BPE tokenizer on {', '.join(o.tokenizer_data)}: {len(tokenizer):,} tokens")
         return tokenizer
 
+    def meta_model(self):
+        """For ``ftcore estimate``: the model on the meta device and its config."""
+        from ._estimate import scratch_meta_model
+
+        return scratch_meta_model(self)
+
 
 @ftcore.hookimpl
 def register_model_loaders(register):

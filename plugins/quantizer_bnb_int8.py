@@ -20,8 +20,7 @@ class Int8Quantizer(BnbQuantizer):
         from transformers import BitsAndBytesConfig
 
         o = self.options
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=o.llm_int8_threshold,
-                                  llm_int8_skip_modules=o.llm_int8_skip_modules)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=o.llm_int8_threshold)
 
 
 @ftcore.hookimpl

@@ -6,10 +6,11 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
+from ._estimate import TrainerMemory
 from ._training import TrainOptions, run_trl, tokenize_splits
 
 
-class PretrainTrainer(Component):
+class PretrainTrainer(TrainerMemory, Component):
     """Causal-LM pre-training on text: every token is trained on, EOS between documents."""
 
     name = "pretrain"

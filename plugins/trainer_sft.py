@@ -8,10 +8,11 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
+from ._estimate import TrainerMemory
 from ._training import TrainOptions, run_trl, tokenize_splits
 
 
-class SFTTrainer(Component):
+class SFTTrainer(TrainerMemory, Component):
     """Supervised fine-tuning (TRL SFTTrainer); loss on every assistant turn only."""
 
     name = "sft"

@@ -1,14 +1,16 @@
-"""The bitsandbytes quantizers on CPU: QLoRA on a tiny local Llama (4-bit NF4 base, fp32
-LoRA, a few SFT steps), FP4 and int8 loading and training, the saved adapter on a freshly
-quantized base, and the plan checks that refuse what cannot work.
+"""The bitsandbytes quantizers: QLoRA on a tiny local Llama (4-bit NF4 base with double
+quantization, fp32 LoRA, a few SFT steps), FP4 and int8 loading and training, the saved
+adapter on a freshly quantized base, and the plan checks that refuse what cannot work.
 
-Everything here runs for real on the CPU (bitsandbytes >= 0.48 has CPU kernels); only the
-multi-GPU ``device_map`` is checked with CUDA mocked, since it is a CUDA-only path.
+Everything runs for real on the CPU (bitsandbytes >= 0.48 has CPU kernels for 4-bit and
+int8, forward and backward). The only mock is CUDA itself, for the multi-GPU ``device_map``
+of ``load_kwargs()``, a CUDA-only path.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -16,19 +18,18 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError, PlanError
 
-from conftest import chat_rows, text_rows, write_jsonl
-
-bnb = pytest.importorskip("bitsandbytes")
-torch = pytest.importorskip("torch")
+from conftest import chat_rows, run_cli, text_rows, write_jsonl
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+PROBE = [[5, 17, 42, 99, 7, 3, 150, 60]]
 
 
 # -- a tiny pretrained-looking Llama in a local folder -----------------------------------------
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    """A random-init Llama saved with a BPE tokenizer trained here, on the test's own rows
-    (no download): what ``[model] use = "hf"`` loads from a local folder."""
+    """A random-init Llama saved with a byte-level BPE tokenizer trained here on the test's own
+    rows (nothing downloaded, no shared fixture needed): what ``[model] use = "hf"`` loads."""
+    torch = pytest.importorskip("torch")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -53,9 +54,15 @@ def tiny_llama(tmp_path_factory):
     return out
 
 
+@pytest.fixture
+def project(tmp_path, tiny_llama):
+    shutil.copytree(tiny_llama, tmp_path / "base")
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(64))
+    return tmp_path
+
+
 # -- a test plugin that looks at the trained model from inside a real run -----------------------
 SEEN: dict = {}
-PROBE = [[5, 17, 42, 99, 7, 3, 150, 60]]
 
 
 class InspectExporter(Component):
@@ -64,28 +71,41 @@ class InspectExporter(Component):
     name = "inspect"
 
     def export(self, ctx):
+        import bitsandbytes as bnb
+        import torch
+
         model = ctx.model
         base = model.get_base_model()
-        linears = {n: m for n, m in base.named_modules()
-                   if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
+        quantized = {n: m for n, m in base.named_modules() if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))}
         SEEN.clear()
-        SEEN["linear_types"] = {type(m).__name__ for m in linears.values()}
-        SEEN["linear_names"] = sorted(linears)
-        SEEN["weights"] = {n: m.weight for n, m in linears.items()}
-        SEEN["trainable"] = {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters() if p.requires_grad}
-        SEEN["lora_params"] = {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters() if "lora_" in n}
+        SEEN["quantized"] = sorted(quantized)
+        SEEN["types"] = {type(m).__name__ for m in quantized.values()}
+        SEEN["weights"] = {n: weight_facts(m) for n, m in quantized.items()}
+        SEEN["plain_linears"] = sorted(n for n, m in base.named_modules()
+                                       if type(m) is torch.nn.Linear and "lora_" not in n)
+        SEEN["trainable"] = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
+        SEEN["lora"] = {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters() if "lora_" in n}
         SEEN["use_cache"] = base.config.use_cache
-        SEEN["checkpointing"] = base.is_gradient_checkpointing
+        SEEN["checkpointing"] = base.is_activation_checkpointing
         layer = base.model.layers[0]
         SEEN["checkpoint_kwargs"] = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", None)
-        SEEN["lm_head"] = type(base.lm_head).__name__
-        was_training = model.training
         model.eval()
         with torch.no_grad():
             SEEN["logits"] = model(input_ids=torch.tensor(PROBE)).logits.float().clone()
-        model.train(was_training)
         ctx.path.mkdir(parents=True)
         return ctx.path
+
+
+def weight_facts(layer) -> dict:
+    """What a quantized layer's weight is, as values (bitsandbytes mutates its quant_state in place)."""
+    w = layer.weight
+    state = getattr(w, "quant_state", None)
+    # int8 row scales: on the weight until the first forward, then on the layer's state
+    scb = getattr(w, "SCB", None)
+    scb = scb if scb is not None else getattr(getattr(layer, "state", None), "SCB", None)
+    return {"kind": type(w).__name__, "dtype": w.dtype, "quant_state": state is not None,
+            "quant_type": getattr(state, "quant_type", None), "nested": getattr(state, "nested", None),
+            "scb_dtype": None if scb is None else scb.dtype}
 
 
 class InspectPlugin:
@@ -94,7 +114,38 @@ class InspectPlugin:
         register(InspectExporter)
 
 
-def plan_text(quantizer: str, steps: int, extra_export: str = "") -> str:
+def plugin_manager():
+    from ftcore.plugins import PluginInfo, get_plugin_manager
+
+    pm = get_plugin_manager(entry_points=False)
+    pm.add_plugin(InspectPlugin(), PluginInfo("inspect", "ftcore-tests", "0", "entry point"))
+    pm.check_pending()
+    assert not pm.registry().problems
+    return pm
+
+
+def run_plan(folder, body: str):
+    """Run a plan in this process (so the inspector sees the live model); return the run folder."""
+    from rich.console import Console
+
+    from ftcore.plan import load_plan
+    from ftcore.runner import Runner
+
+    path = folder / "plan.toml"
+    path.write_text(body)
+    pm = plugin_manager()
+    plan = load_plan(path, pm.registry())
+    with open(folder / "console.txt", "w") as out:
+        summary = Runner(plan, pm, Console(file=out, width=200)).run()
+    return folder / "runs" / "q", summary
+
+
+def losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("stage") == "sft" and "loss" in r]
+
+
+def plan_text(quantizer: str, steps: int, more: str = "") -> str:
     return f"""
 [run]
 name = "q"
@@ -132,58 +183,302 @@ save_steps = 1000
 
 [[export]]
 use = "inspect"
-{extra_export}
+{more}
 """
 
 
-def registry_with_inspector():
-    from ftcore.plugins import PluginInfo, get_plugin_manager
+def quantized_base(quantizer, folder):
+    from transformers import AutoModelForCausalLM
 
-    pm = get_plugin_manager(entry_points=False)
-    pm.add_plugin(InspectPlugin(), PluginInfo("inspect", "ftcore-tests", "0", "entry point"))
-    pm.check_pending()
-    assert not pm.registry().problems
-    return pm
+    return AutoModelForCausalLM.from_pretrained(folder, **quantizer.load_kwargs())
 
 
-def run_plan(folder, body: str):
-    """Run a plan in this process (so the inspector sees the live model); return the run folder."""
-    from rich.console import Console
+# -- QLoRA end to end --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_qlora_nf4_trains_fp32_lora_on_a_4bit_base_and_the_adapter_reloads(project):
+    bnb = pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import PeftModel
 
+    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+
+    body = plan_text('use = "bnb-nf4"\nbnb_4bit_use_double_quant = true', steps=8, more="""
+[[export]]
+use = "adapter"
+
+[[evaluate]]
+use = "perplexity"
+data = "chat"
+max_length = 64
+""")
+    run, summary = run_plan(project, body)
+
+    # It learned: the training loss fell, and so did the perplexity measured before and after.
+    loss = losses(run)
+    assert len(loss) == 8 and loss[-1] < loss[0] - 0.3, loss
+    ev = summary["evaluations"]
+    assert ev["after"]["perplexity"]["perplexity"] < 0.8 * ev["before"]["perplexity"]["perplexity"]
+
+    # Every decoder linear is a bitsandbytes 4-bit layer: packed uint8 NF4 weights with a
+    # double-quantized (nested) quant_state. The output head stays a plain fp32 Linear.
+    assert SEEN["types"] == {"Linear4bit"} and len(SEEN["quantized"]) == 2 * 7
+    for name, w in SEEN["weights"].items():
+        assert w["kind"] == "Params4bit" and w["dtype"] == torch.uint8 and w["quant_state"], name
+        assert w["quant_type"] == "nf4" and w["nested"] is True, name
+    assert SEEN["plain_linears"] == ["lm_head"]
+
+    # Only the LoRA matrices train, in fp32 (TRL casts them to bf16 for a quantized model;
+    # the quantizer's preparation brings them back before the first step).
+    assert SEEN["trainable"] and all("lora_" in n for n in SEEN["trainable"])
+    assert set(SEEN["trainable"].values()) == {torch.float32}
+    assert len(SEEN["lora"]) == 2 * 14 and set(SEEN["lora"].values()) == {(torch.float32, True)}
+    # QLoRA preparation: non-reentrant gradient checkpointing, no KV cache in training.
+    assert SEEN["checkpointing"] and SEEN["checkpoint_kwargs"] == {"use_reentrant": False}
+    assert SEEN["use_cache"] is False
+
+    # The saved adapter loads with peft onto a freshly quantized base and gives the trained
+    # model's outputs; the bare base gives others.
+    adapter = run / "exports" / "adapter"
+    base = quantized_base(NF4Quantizer(), project / "base")
+    probe = torch.tensor(PROBE)
+    with torch.no_grad():
+        bare = base(input_ids=probe).logits.float()
+        loaded = PeftModel.from_pretrained(base, adapter).eval()
+        assert isinstance(loaded.get_base_model().model.layers[0].mlp.up_proj.base_layer, bnb.nn.Linear4bit)
+        again = loaded(input_ids=probe).logits.float()
+    # atol: a model fresh from loading uses bitsandbytes' CPU inference kernel (bf16 inside), training does not
+    assert torch.allclose(again, SEEN["logits"], atol=1e-2), (again - SEEN["logits"]).abs().max()
+    assert (bare - SEEN["logits"]).abs().max() > 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layer, weight, dtype", [
+    ("bnb-fp4", "Linear4bit", "Params4bit", "uint8"),
+    ("bnb-int8", "Linear8bitLt", "Int8Params", "int8"),
+])
+def test_fp4_and_int8_load_their_layer_types_and_train_on_cpu(project, name, layer, weight, dtype):
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    run, _ = run_plan(project, plan_text(f'use = "{name}"', steps=6))
+    loss = losses(run)
+    assert len(loss) == 6 and loss[-1] < loss[0] - 0.3, loss
+    assert SEEN["types"] == {layer} and len(SEEN["quantized"]) == 2 * 7
+    for n, w in SEEN["weights"].items():
+        assert w["kind"] == weight and w["dtype"] == getattr(torch, dtype), n
+        if name == "bnb-fp4":
+            assert w["quant_state"] and w["quant_type"] == "fp4" and w["nested"] is True, n  # double quant: default
+        else:
+            assert w["scb_dtype"] == torch.float32, n  # per-row int8 scales
+    assert SEEN["trainable"] and set(SEEN["trainable"].values()) == {torch.float32}
+    assert all("lora_" in n for n in SEEN["trainable"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bnb-nf4", "bnb-int8"])
+def test_gradients_reach_every_adapter_even_after_an_evaluation(tiny_llama, name):
+    """An evaluation (eval mode, no grad) before training must not change how gradients flow
+    back through the frozen quantized layers: on an AVX512-BF16 CPU bitsandbytes would repack
+    4-bit weights into an inference layout whose kernel has no backward, silently zeroing the
+    gradients of every adapter below the last layer. Gradients must match a fresh model's, and
+    a quantized model's must be close to the full-precision model's."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from ftcore.plugins import get_plugin_manager
+
+    registry = get_plugin_manager(entry_points=False).registry()
+
+    def grads(quantizer_name, evaluate_first):
+        from transformers import AutoModelForCausalLM
+
+        quantizer = registry.resolve("quantizer", quantizer_name).cls()
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, **quantizer.load_kwargs())
+        model = quantizer.prepare(model)
+        if quantizer_name == "none":
+            for p in model.parameters():
+                p.requires_grad_(False)
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=4, target_modules="all-linear"))
+        probe = torch.tensor(PROBE)
+        if evaluate_first:
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=probe)
+        model.train()
+        model(input_ids=probe, labels=probe).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    fresh, evaluated, full = grads(name, False), grads(name, True), grads("none", False)
+    first = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+    assert fresh[first].abs().sum() > 0
+    for n in fresh:
+        assert evaluated[n] is not None and torch.allclose(evaluated[n], fresh[n], atol=1e-6), n
+        assert (fresh[n] - full[n]).norm() <= 0.25 * full[n].norm(), n  # quantization error only
+
+
+# -- load_kwargs and prepare, without a run ----------------------------------------------------
+def test_load_kwargs_carry_bitsandbytes_options():
+    torch = pytest.importorskip("torch")
+    from ftcore_plugins.quantizer_bnb_fp4 import FP4Quantizer
+    from ftcore_plugins.quantizer_bnb_int8 import Int8Quantizer
+    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+
+    nf4 = NF4Quantizer().load_kwargs()
+    assert set(nf4) == {"quantization_config"}
+    config = nf4["quantization_config"]
+    assert config.load_in_4bit and not config.load_in_8bit
+    assert config.bnb_4bit_quant_type == "nf4" and config.bnb_4bit_use_double_quant
+    assert config.bnb_4bit_quant_storage == torch.uint8
+    if not torch.cuda.is_available():
+        assert config.bnb_4bit_compute_dtype == torch.float32  # "auto" on a CPU
+
+    fp4 = FP4Quantizer(FP4Quantizer.Options(bnb_4bit_use_double_quant=False, bnb_4bit_compute_dtype="bfloat16",
+                                            bnb_4bit_quant_storage="bfloat16")).load_kwargs()["quantization_config"]
+    assert fp4.bnb_4bit_quant_type == "fp4" and not fp4.bnb_4bit_use_double_quant
+    assert fp4.bnb_4bit_compute_dtype == torch.bfloat16 and fp4.bnb_4bit_quant_storage == torch.bfloat16
+
+    int8 = Int8Quantizer(Int8Quantizer.Options(llm_int8_threshold=4.0)).load_kwargs()["quantization_config"]
+    assert int8.load_in_8bit and not int8.load_in_4bit and int8.llm_int8_threshold == 4.0
+
+
+def test_under_torchrun_each_process_loads_onto_its_own_gpu(monkeypatch):
+    """CUDA-only path, so CUDA is mocked: with WORLD_SIZE > 1 the whole model goes to LOCAL_RANK's GPU."""
+    torch = pytest.importorskip("torch")
+    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    kwargs = NF4Quantizer().load_kwargs()
+    assert kwargs["device_map"] == {"": 1}
+    assert kwargs["quantization_config"].bnb_4bit_compute_dtype == torch.bfloat16  # "auto" on a bf16 GPU
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert "device_map" not in NF4Quantizer().load_kwargs()  # one process: transformers places it
+
+
+def test_prepare_refuses_a_model_the_loader_did_not_quantize():
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftcore_plugins.quantizer_bnb_int8 import Int8Quantizer
+    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+
+    config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for quantizer, bits in ((NF4Quantizer(), "4-bit"), (Int8Quantizer(), "8-bit")):
+        with pytest.raises(FtcoreError, match=f"ignored the quantizer.*not loaded in {bits}") as err:
+            quantizer.prepare(model)
+        assert "\n" not in str(err.value)
+
+
+# -- plan validation ---------------------------------------------------------------------------
+VALID = """
+[model]
+use = "hf"
+path = "some-org/some-model"
+
+[quantizer]
+use = "bnb-nf4"
+
+[adapter]
+use = "lora"
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[stage]]
+trainer = "sft"
+data = "chat"
+
+[[export]]
+use = "adapter"
+"""
+
+SCRATCH = """
+[model]
+use = "scratch"
+tokenizer_data = ["chat"]
+
+[quantizer]
+use = "bnb-nf4"
+
+[adapter]
+use = "lora"
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[stage]]
+trainer = "sft"
+data = "chat"
+"""
+
+
+def plan_errors(tmp_path, text: str) -> list[str]:
     from ftcore.plan import load_plan
-    from ftcore.runner import Runner
+    from ftcore.plugins import get_plugin_manager
 
-    path = folder / "plan.toml"
-    path.write_text(body)
-    pm = registry_with_inspector()
-    plan = load_plan(path, pm.registry())
-    with open(folder / "console.txt", "w") as out:
-        Runner(plan, pm, Console(file=out, width=200)).run()
-    return folder / "runs" / "q"
-
-
-def losses(run_dir) -> list[float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r.get("stage") == "sft" and "loss" in r]
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    try:
+        load_plan(path, get_plugin_manager(entry_points=False).registry())
+    except PlanError as exc:
+        assert all(p.startswith(f"{path}: ") for p in exc.problems), exc.problems
+        return [p[len(f"{path}: "):] for p in exc.problems]  # "<key path>: <message>"
+    return []
 
 
-@pytest.fixture
-def project(tmp_path, tiny_llama):
-    import shutil
-
-    shutil.copytree(tiny_llama, tmp_path / "base")
-    write_jsonl(tmp_path / "chat.jsonl", chat_rows(64))
-    return tmp_path
+def test_a_quantized_lora_plan_is_valid(tmp_path):
+    assert plan_errors(tmp_path, VALID) == []
+    for name in ("bnb-fp4", "bnb-int8"):
+        assert plan_errors(tmp_path, VALID.replace('"bnb-nf4"', f'"{name}"')) == []
 
 
-def test_explore(project):
-    import time
-    t = time.time()
-    run = run_plan(project, plan_text('use = "bnb-nf4"\nbnb_4bit_use_double_quant = true', 8))
-    print("time", time.time() - t)
-    print(losses(run))
-    for k, v in SEEN.items():
-        if k not in ("weights", "logits"):
-            print(k, v)
-    w = next(iter(SEEN["weights"].values()))
-    print(type(w), w.dtype, w.quant_state, w.quant_state.nested, w.quant_state.quant_type)
+@pytest.mark.parametrize("case, text, expected", [
+    ("scratch model", SCRATCH,
+     r"^quantizer: quantizer 'bnb-nf4' cannot quantize \[model\] use = \"scratch\": it builds a randomly "
+     r"initialised model.*use = \"hf\""),
+    ("full fine-tuning (the default adapter)", VALID.replace('[adapter]\nuse = "lora"\n', "").replace(
+        '[[export]]\nuse = "adapter"\n', ""),
+     r"^quantizer: stage '0-sft' uses adapter 'full', which trains the base weights; 4-bit weights cannot be "
+     r"trained.*adapter = \"lora\""),
+    ("merged export", VALID.replace('use = "adapter"', 'use = "merged"'),
+     r"^quantizer: export 'merged' would merge the adapter into the 4-bit weights.*"
+     r"export use = \"adapter\""),
+    ("an adapter change between stages", VALID + '\n[[stage]]\ntrainer = "sft"\ndata = "chat"\n'
+                                                  'adapter = { use = "lora", r = 16 }\n',
+     r"^quantizer: stage '1-sft' changes the adapter, which would merge the previous one into the 4-bit base"),
+    ("int8 with full fine-tuning", VALID.replace('"bnb-nf4"', '"bnb-int8"').replace('use = "lora"', 'use = "full"')
+     .replace('[[export]]\nuse = "adapter"\n', ""),
+     r"^quantizer: stage '0-sft' uses adapter 'full'.*8-bit weights cannot be trained"),
+    ("a misspelled option", VALID.replace('use = "bnb-nf4"', 'use = "bnb-nf4"\nbnb_4bit_use_dobule_quant = false'),
+     r"^quantizer\.bnb_4bit_use_dobule_quant: unknown key for quantizer 'bnb-nf4'.*bnb_4bit_use_double_quant"),
+    ("a 4-bit option on int8",
+     VALID.replace('use = "bnb-nf4"', 'use = "bnb-int8"\nbnb_4bit_compute_dtype = "bfloat16"'),
+     r"^quantizer\.bnb_4bit_compute_dtype: unknown key for quantizer 'bnb-int8'"),
+    ("a bad compute dtype", VALID.replace('use = "bnb-nf4"', 'use = "bnb-nf4"\nbnb_4bit_compute_dtype = "float8"'),
+     r"^quantizer\.bnb_4bit_compute_dtype: .*'auto', 'float32', 'bfloat16' or 'float16'"),
+])
+def test_unsupported_combinations_fail_validation_in_one_line_under_quantizer(tmp_path, case, text, expected):
+    import re
+
+    problems = plan_errors(tmp_path, text)
+    matching = [p for p in problems if re.search(expected, p)]
+    assert len(matching) == 1, (case, problems)
+    assert matching[0].startswith("quantizer") and "\n" not in matching[0]
+
+
+def test_validate_command_reports_it_before_loading_anything(tmp_path):
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
+    (tmp_path / "plan.toml").write_text(SCRATCH)
+    result = run_cli("validate", "plan.toml", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if "bnb-nf4" in line]
+    assert len(lines) == 1 and "quantizer: quantizer 'bnb-nf4' cannot quantize" in lines[0], lines

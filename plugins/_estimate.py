@@ -1,0 +1,368 @@
+"""What the built-in components answer to ``ftcore estimate`` (see ``ftcore/estimate.py``).
+
+Each function here backs one optional method of a built-in component, which delegates to it
+in a line or two, so the estimate's knowledge of the built-ins lives in one module:
+
+- model loaders ``hf`` and ``scratch``: ``meta_model()``, the model on the ``meta`` device
+  (no weights are read, no memory is used) and its config;
+- the bitsandbytes quantizers: ``prepare_meta(model)`` (what ``prepare()`` does to dtypes,
+  trainability and checkpointing) and ``weight_bytes(model)`` (the weights as stored);
+- trainers ``sft`` and ``pretrain`` (TRL's SFTTrainer): ``memory_settings()``,
+  ``activation_bytes(...)``, ``optimizer_bytes(...)`` and ``runtime_bytes(...)``.
+
+The activation and optimizer numbers follow what these libraries allocate; the figures
+below were checked against measured peaks (``tests/test_estimate.py``,
+``benchmarks/memory_estimate.py``) on CPU, fp32. The 16-bit and CUDA paths are the same
+accounting with the dtypes and kernels those paths use, not measured here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+
+# -- model loaders -------------------------------------------------------------------------
+
+
+def meta_model_from_config(config: Any, dtype: Any, **kwargs: Any) -> Any:
+    """A causal LM built from ``config`` on the meta device: exact shapes, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+
+
+def _checkpoint_dtype(folder: Path) -> Any:
+    """The dtype of the first tensor in the folder's safetensors files (header only), or None."""
+    try:
+        from safetensors import safe_open
+    except ImportError:  # pragma: no cover
+        return None
+    import torch
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    return getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(
+                        f.get_slice(key).get_dtype(), "float32"))
+        except Exception:
+            return None
+    return None
+
+
+def hf_meta_model(loader: Any) -> tuple[Any, Any]:
+    """``hf``: the config from the model folder (or the local hub cache: never the network)."""
+    import torch
+    from transformers import AutoConfig
+
+    from ftcore.errors import FtcoreError
+
+    o = loader.options
+    try:
+        config = AutoConfig.from_pretrained(o.path, revision=o.revision, trust_remote_code=o.trust_remote_code,
+                                            token=o.token.get_secret_value() if o.token else None,
+                                            local_files_only=True)
+    except (OSError, ValueError) as exc:
+        local = Path(o.path).exists()
+        hint = "" if local else " (not a local folder, and not in the local hub cache; estimate never downloads)"
+        raise FtcoreError(f"model.path: cannot read the config of {o.path!r}{hint}: "
+                          f"{str(exc).strip().splitlines()[0]}") from None
+    if o.dtype != "auto":
+        dtype = getattr(torch, o.dtype)
+    else:  # as from_pretrained: the config's dtype, else the checkpoint's, else torch's default
+        dtype = getattr(config, "dtype", None) or (_checkpoint_dtype(Path(o.path)) if Path(o.path).is_dir()
+                                                   else None) or torch.get_default_dtype()
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    kwargs = {"trust_remote_code": o.trust_remote_code}
+    if o.attn_implementation:
+        kwargs["attn_implementation"] = o.attn_implementation
+    return meta_model_from_config(config, dtype, **kwargs), config
+
+
+def hf_checkpoint_residue_bytes(loader: Any, quantized: bool) -> int:
+    """``hf``: checkpoint pages that stay resident after loading, beyond the weights.
+
+    Quantizing while loading, transformers reads every weight from the memory-mapped
+    safetensors files and keeps the mapping alive (the unquantized weights still view it), so
+    the whole file stays in the process's RSS (clean page cache the kernel may reclaim under
+    pressure; measured: +212 MiB of file pages for a 209 MiB checkpoint). Unquantized, the
+    weights are the mapped pages themselves: nothing beyond them."""
+    folder = Path(loader.options.path)
+    if not quantized or not folder.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def scratch_meta_model(loader: Any) -> tuple[Any, Any]:
+    """``scratch``: the config it would build. A tokenizer trained at run time has at most
+    ``vocab_size`` tokens (fewer on very little text), so that is the vocabulary counted."""
+    import torch
+    from transformers import AutoConfig
+
+    o = loader.options
+    if o.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        vocab = len(AutoTokenizer.from_pretrained(str(o.tokenizer)))
+    else:
+        vocab = o.vocab_size
+    fields = {
+        "vocab_size": vocab,
+        "hidden_size": o.hidden_size,
+        "num_hidden_layers": o.num_layers,
+        "num_attention_heads": o.num_heads,
+        "num_key_value_heads": o.num_kv_heads or o.num_heads,
+        "intermediate_size": o.intermediate_size or 4 * o.hidden_size,
+        "max_position_embeddings": o.max_position_embeddings,
+        "tie_word_embeddings": o.tie_word_embeddings,
+        **o.config,
+    }
+    config = AutoConfig.for_model(o.architecture, **fields)
+    return meta_model_from_config(config, torch.float32), config
+
+
+# -- bitsandbytes quantizers ---------------------------------------------------------------
+
+
+def _not_converted(model: Any, skip: list[str]) -> set[str]:
+    """Module paths transformers leaves unquantized: the output head, tied weights, ``skip``."""
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        keep = set(get_keys_to_not_convert(model))
+    except Exception:  # pragma: no cover - older/newer transformers
+        head = model.get_output_embeddings()
+        keep = {n for n, m in model.named_modules() if m is head}
+    keep |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    keep |= set(skip)
+    return keep
+
+
+def _quantized_linears(model: Any, skip: list[str]) -> dict[str, Any]:
+    import torch
+
+    keep = _not_converted(model, skip)
+
+    def kept(path: str) -> bool:
+        parts = path.split(".")
+        return any(k == path or path.endswith("." + k) or k in parts for k in keep)
+
+    return {path: m for path, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and path and not kept(path)}
+
+
+def bnb_prepare_meta(quantizer: Any, model: Any) -> Any:
+    """What ``BnbQuantizer.prepare`` does, on the meta model: every weight frozen, 16-bit weights
+    that stay unquantized upcast to fp32 (peft's ``prepare_model_for_kbit_training``; the
+    quantized ones are counted by :func:`bnb_weight_bytes`), non-reentrant checkpointing on."""
+    import torch
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.to(torch.float32)
+    if getattr(quantizer.options, "gradient_checkpointing", True):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+def bnb_weight_bytes(quantizer: Any, model: Any) -> int:
+    """Bytes of the weights as bitsandbytes stores them.
+
+    4-bit: two weights per byte, plus one absmax per 64-weight block, itself 8-bit with an fp32
+    constant per 256 blocks under double quantization (else fp32). 8-bit: one byte per weight
+    plus an fp32 scale per output row. Everything else at its dtype (fp32 after prepare)."""
+    o = quantizer.options
+    bits = getattr(quantizer, "bits", 4)
+    quantized = _quantized_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
+    skipped = set()
+    total = 0
+    for m in quantized.values():
+        n = m.weight.numel()
+        skipped.add(id(m.weight))
+        if bits == 4:
+            blocks = math.ceil(n / 64)
+            if getattr(o, "bnb_4bit_use_double_quant", False):
+                constants = blocks + math.ceil(blocks / 256) * 4 + 256 * 4  # 8-bit absmax, fp32 per 256, code book
+            else:
+                constants = blocks * 4
+            total += math.ceil(n / 2) + constants
+        else:
+            total += n + m.weight.shape[0] * 4
+    for p in model.parameters():
+        if id(p) not in skipped:
+            total += p.numel() * p.element_size()
+    return total + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+# -- trainers (TRL SFTTrainer) ----------------------------------------------------------------
+
+# Optimizer state, in units of the trainable parameters' own bytes, and per parameter bytes
+# for the 8-bit ones; transformers' `optim` names.
+_STATE_COPIES = {
+    "adamw_torch": 2, "adamw_torch_fused": 2, "adamw_torch_xla": 2, "adamw_torch_npu_fused": 2,
+    "adamw_apex_fused": 2, "adamw_anyprecision": 2, "adamw_bnb_32bit": 2, "paged_adamw_32bit": 2,
+    "adamw_32bit": 2, "ademamix": 3, "paged_ademamix_32bit": 3, "lion_32bit": 1, "paged_lion_32bit": 1,
+    "rmsprop": 1, "rmsprop_bnb_32bit": 1, "adagrad": 1, "sgd": 0, "schedule_free_sgd": 1,
+    "schedule_free_adamw": 2, "schedule_free_radam": 2,
+}
+_EIGHT_BIT = {  # one byte per state value (+ a block constant per 2048 values)
+    "adamw_bnb_8bit": 2, "adamw_8bit": 2, "paged_adamw_8bit": 2, "adamw_torch_4bit": 1,
+    "adamw_torch_8bit": 2, "lion_8bit": 1, "paged_lion_8bit": 1, "rmsprop_bnb_8bit": 1,
+    "ademamix_8bit": 3, "paged_ademamix_8bit": 3,
+}
+
+# TRL's fused LM head (trl.trainer.utils.add_fused_lm_head) never builds the whole logits: it
+# projects tiles of at most 4096 tokens x 32768 vocabulary entries. Without Triton (CPU) its
+# torch fallback keeps about 8.5 fp32 tiles alive in backward (the tile, its scaled copy,
+# log-probabilities, probabilities, the gradient and the temporaries of its formula);
+# with Triton (CUDA) one tile in the compute dtype and the kernel's own buffers.
+_TILE_TOKENS, _TILE_VOCAB = 4096, 32768
+_CPU_TILES, _CUDA_TILES = 8.5, 2.0
+
+# Process memory a TRL training run adds on CPU beyond what its imports take: the trainer,
+# accelerate state, tokenized data, the data loader, thread pools, oneDNN caches and the
+# allocator's retained blocks of the first step. Measured 80-180 MiB across the CPU runs of
+# tests/test_estimate.py (tiny models, where nothing else is large).
+_CPU_RUNTIME = 120 * MiB
+# CUDA: the context (kernels, cuBLAS/cuDNN handles; not in torch's allocated figure, but in
+# what the GPU has in use) and the caching allocator's reserve. Typical, not measured here.
+_CUDA_RUNTIME = 768 * MiB
+
+
+def trainer_memory_settings(trainer: Any) -> dict[str, Any]:
+    o = trainer.options
+    return {"batch_size": o.batch_size, "seq_len": o.max_length, "gradient_checkpointing": o.gradient_checkpointing,
+            "optimizer": o.optimizer, "precision": o.precision}
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _is_norm(module: Any) -> bool:
+    name = type(module).__name__.lower()
+    return "norm" in name and hasattr(module, "weight") and getattr(module, "weight", None) is not None
+
+
+def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool,
+                             *, model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:
+    """Peak activation memory of one training step of a decoder-only transformer under TRL.
+
+    Per layer, the tensors autograd saves (counted with saved-tensor hooks on Llama, full and
+    LoRA): each of the two norms keeps its fp32 input, and its output when its weight trains;
+    then query, attention output, o_proj input and one more hidden-width tensor, key and value,
+    and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
+    on a 16-bit base a copy of each adapted layer's input in the adapter's dtype. Then the
+    fused LM head's working set. With checkpointing only each layer's input is kept, and one
+    layer at a time is recomputed in backward, with its gradients.
+    """
+    import torch
+
+    c = _text_config(model_config)
+    h = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or getattr(c, "d_model", None)
+    layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
+    if not h or not layers:
+        raise ValueError("the model config has no hidden_size/num_hidden_layers")
+    heads = getattr(c, "num_attention_heads", None) or getattr(c, "n_head", None) or 1
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
+    vocab = getattr(c, "vocab_size", 0) or 0
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+
+    autocast = precision in ("bf16", "fp16")
+    res = 4  # the residual stream's dtype: the input embeddings' (fp32 after a bnb prepare)
+    norms_train = True
+    lora_inputs = 0  # sum of the adapted layers' input widths
+    lora_outputs = 0  # sum of the LoRA ranks
+    head_grad = 0
+    if model is not None:
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if getattr(emb, "weight", None) is not None:
+            res = emb.weight.element_size()
+        norms = [m for m in model.modules() if _is_norm(m)]
+        norms_train = any(m.weight.requires_grad for m in norms) if norms else True
+        for name, p in model.named_parameters():
+            if p.requires_grad and "lora_A" in name and p.dim() == 2:
+                lora_outputs += p.shape[0]
+                lora_inputs += p.shape[1]
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        w = getattr(out, "weight", None)
+        if w is not None and w.requires_grad and w.dtype != torch.float32:
+            head_grad = w.numel() * 4  # the head's fp32 gradient before it is cast to the weight's dtype
+    lin = 2 if autocast or res == 2 else 4  # what linear layers output
+    # On a 16-bit base peft casts each adapted layer's input to the (fp32) adapter's dtype;
+    # under autocast that copy is 16-bit again.
+    lora_copy = 0 if lin == 4 else (2 if autocast else 4)
+
+    tokens = batch_size * seq_len
+    norm = 4 + (res if norms_train else 0)  # bytes per element, per norm
+    per_layer = tokens * (2 * norm * h + (3 * q_dim + h + 2 * kv_dim + 4 * inter) * lin)
+    per_layer += tokens * (lora_outputs * 4 + lora_inputs * lora_copy) / layers
+    final_norm = tokens * h * norm
+    # The fused LM head: the hidden states it keeps, its fp32 gradient, and its tiles.
+    rows = batch_size * max(seq_len - 1, 1)
+    tile = min(rows, _TILE_TOKENS) * min(vocab, _TILE_VOCAB)
+    tiles = tile * (_CUDA_TILES * lin if device == "cuda" else _CPU_TILES * 4)
+    head = rows * h * lin + rows * h * 4 + tiles + head_grad
+    if checkpointing:
+        saved = layers * tokens * h * res + final_norm
+        return int(saved + max(head, 2 * per_layer))
+    return int(layers * per_layer + final_norm + head)
+
+
+def trainer_optimizer_bytes(trainer: Any, params: list, *, device: str = "cpu") -> int:
+    """Optimizer state for ``params`` (the trainable parameters), plus the step's temporaries:
+    torch's Adam runs ``foreach`` on CUDA (a copy of the state's size for sqrt(v), ...) and one
+    parameter at a time on CPU."""
+    name = trainer.options.optimizer
+    n = sum(p.numel() for p in params)
+    own = sum(p.numel() * p.element_size() for p in params)
+    largest = max((p.numel() * p.element_size() for p in params), default=0)
+    if name in _EIGHT_BIT:
+        return int(_EIGHT_BIT[name] * (n + n / 2048 * 4))
+    if name.startswith("adafactor"):
+        return int(sum((sum(p.shape) if p.dim() >= 2 else p.numel()) * 4 for p in params) + largest)
+    copies = _STATE_COPIES.get(name, 2)
+    temporaries = largest * 2
+    if device == "cuda" and "fused" not in name and copies:
+        temporaries = own
+    return int(copies * own + temporaries)
+
+
+def trainer_runtime_bytes(trainer: Any, *, device: str = "cpu") -> int:
+    """The training libraries' imports (done here, so the caller's measured process memory
+    includes them), plus what a run adds beyond them."""
+    import datasets  # noqa: F401
+    import trl  # noqa: F401
+    from trl import SFTConfig, SFTTrainer  # noqa: F401  (trl imports lazily)
+
+    return _CUDA_RUNTIME if device == "cuda" else _CPU_RUNTIME
+
+
+class TrainerMemory:
+    """Mixin for trainers that train through TRL's SFTTrainer (``sft``, ``pretrain``): the
+    optional methods ``ftcore estimate`` asks a trainer."""
+
+    def memory_settings(self) -> dict[str, Any]:
+        return trainer_memory_settings(self)
+
+    def activation_bytes(self, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool, *,
+                         model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:
+        return trainer_activation_bytes(self, model_config, batch_size, seq_len, checkpointing, model=model,
+                                        device=device, precision=precision)
+
+    def optimizer_bytes(self, params: list, *, device: str = "cpu") -> int:
+        return trainer_optimizer_bytes(self, params, device=device)
+
+    def runtime_bytes(self, *, device: str = "cpu") -> int:
+        return trainer_runtime_bytes(self, device=device)

@@ -102,9 +102,11 @@ CONFIGS = [
     Config("small-lora-ckpt", "small", "lora", checkpointing=True),
     Config("small-qlora-nf4", "small-hf", "lora", quantizer="bnb-nf4", trainer="sft"),
 ]
-# Not in the tests' default set: activation-heavy, where glibc's heap retention shows (see the
-# estimate's note). Run it with --only medium-full.
-EXTRA = [Config("medium-full", "medium", "full", batch_size=8, seq_len=512)]
+# Not in the tests (minutes more on a small machine): activation-heavy steps, where glibc's heap
+# retention shows and the estimate prints a note saying so.
+EXTRA = [Config("medium-full", "medium", "full", batch_size=8, seq_len=512),
+         Config("small-lora-4x256", "small", "lora", batch_size=4, seq_len=256),
+         Config("small-lora-4x256-ckpt", "small", "lora", checkpointing=True, batch_size=4, seq_len=256)]
 
 
 # -- the project ------------------------------------------------------------------------------
@@ -245,7 +247,7 @@ def table(results: list[Result]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="configuration names (default: all, and medium-full)")
+    parser.add_argument("--only", nargs="*", help="configuration names (default: all of them)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--keep", help="project folder to use and keep (default: a temporary one)")
     args = parser.parse_args()

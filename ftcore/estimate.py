@@ -1,17 +1,19 @@
 """``ftcore estimate``: each stage's peak memory, predicted without loading any weights.
 
 The model is built on PyTorch's ``meta`` device (shapes and dtypes, no storage), the stage's
-adapter is applied to it with its ordinary ``apply()``, and the total is the sum of
+adapter is applied to it, and the total is the sum of
 
 - **weights**: the base model as the quantizer stores it, plus what the adapter adds;
 - **gradients**: one per trainable parameter, in its dtype;
-- **optimizer**: the optimizer's state for the trainable parameters and its step temporaries;
+- **optimizer**: the optimizer's state for the trainable parameters, plus its step's
+  temporaries where they exceed the activations (the step runs once those are freed);
 - **activations**: what one training step keeps for backward, at the stage's batch size and
   sequence length, with or without gradient checkpointing;
 - **overhead**: the process and framework. On CPU, the memory of this very process once it
   has imported what the run imports (``ftcore estimate`` runs in the same kind of process as
-  ``ftcore run``), plus what the trainer says a run adds beyond that; on CUDA, what the
-  trainer says the CUDA context and allocator take.
+  ``ftcore run``), plus what the trainer says a run adds beyond that, plus checkpoint pages the
+  model loader says stay mapped; on CUDA, what the trainer says the CUDA context and
+  allocator take.
 
 On CPU the total predicts the run's peak RSS (``summary.json`` ``memory`` ->
 ``"<stage>: trained"`` ``peak_rss_mib``); on CUDA, the GPU memory in use.
@@ -19,30 +21,32 @@ On CPU the total predicts the run's peak RSS (``summary.json`` ``memory`` ->
 Components answer through **optional** methods; each has a fallback here, and every number
 says where it came from (``sources``) and what the estimate does not model (``notes``):
 
-====================  ===========================================  ==============================
-component             optional method                              fallback
-====================  ===========================================  ==============================
-model loader          ``meta_model() -> (model, config)``          ``options.path`` with a
-                                                                   ``config.json``: transformers'
-                                                                   ``from_config`` on ``meta``
-quantizer             ``prepare_meta(model) -> model``             unchanged model; checkpointing
-                                                                   from an option named
-                                                                   ``gradient_checkpointing``
-quantizer             ``weight_bytes(model) -> int``               ``load_kwargs()``'s
-                                                                   ``quantization_config`` through
-                                                                   transformers' quantizer, else
-                                                                   numel x dtype size
-adapter               ``apply(model, ctx)`` (the normal one)       every parameter trainable
-trainer               ``memory_settings() -> dict``                options named ``batch_size``,
-                                                                   ``max_length``, ...
-trainer               ``activation_bytes(config, batch_size,       a generic decoder formula
-                      seq_len, checkpointing, *, model, device,
-                      precision) -> int``
-trainer               ``optimizer_bytes(params, *, device)``       Adam: two fp32 values each
-trainer               ``runtime_bytes(*, device) -> int``          nothing beyond this process
-====================  ===========================================  ==============================
+=============  ================================================  ==================================
+component      optional method                                   fallback
+=============  ================================================  ==================================
+model loader   ``meta_model() -> (model, config)``               ``options.path`` holding a
+                                                                 ``config.json``: transformers'
+                                                                 ``from_config`` on ``meta``
+model loader   ``checkpoint_residue_bytes(quantized) -> int``    0
+quantizer      ``prepare_meta(model) -> model``                  the model unchanged; checkpointing
+                                                                 from an option named
+                                                                 ``gradient_checkpointing``
+quantizer      ``weight_bytes(model) -> int``                    ``load_kwargs()``'s
+                                                                 ``quantization_config`` sized by
+                                                                 transformers, else numel x dtype
+adapter        ``apply_meta(model, ctx)``, else ``apply``        every parameter trainable (an
+                                                                 upper bound, with a note)
+trainer        ``memory_settings() -> dict``                     options named ``batch_size``,
+                                                                 ``max_length``, ...
+trainer        ``activation_bytes(config, batch_size, seq_len,   a generic decoder formula
+               checkpointing, *, model, device, precision)``
+trainer        ``optimizer_bytes(params, *, device)`` ->         Adam: two fp32 values per
+               ``(state, step temporaries)`` or an int           parameter
+trainer        ``runtime_bytes(*, device) -> int``               nothing beyond this process
+=============  ================================================  ==================================
 
-Nothing here imports torch (or the built-in plugins) at module import.
+Keyword arguments a component's method does not declare are not passed. Nothing here imports
+torch (or the built-in plugins) at module import.
 """
 
 from __future__ import annotations
@@ -196,9 +200,6 @@ def resolve_device(device: str) -> str:
 
 def estimate_plan(plan: Any, *, device: str = "auto", budget: int | None = None) -> Estimate:
     """Estimate every stage of a loaded plan (:func:`ftcore.plan.load_plan`)."""
-    # Never the network: hub ids are read from the local cache only.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from .runner import calling
 
     device = resolve_device(device)
@@ -233,9 +234,10 @@ def estimate_plan(plan: Any, *, device: str = "auto", budget: int | None = None)
             s.overhead = extra
             s.sources["overhead"] = f"CUDA context and allocator reserve ({source})"
         if s.activations > 0.4 * s.total and device == "cpu":
-            s.notes.append(f"activations are {100 * s.activations / s.total:.0f}% of the total: on CPU, glibc's "
-                           "malloc keeps freed activation memory in its heap, which measured up to 2x the live "
-                           "activations in activation-heavy steps (not modeled)")
+            s.notes.append(f"activations are {100 * s.activations / s.total:.0f}% of the total: on CPU, how much "
+                           "of the memory freed during a step glibc's malloc keeps in its heap depends on tensor "
+                           "sizes and order, and only the trainer's known cases are modeled; gradient "
+                           "checkpointing keeps activations small")
     if len(plan.stages) > 1:
         result.notes.append("stages run in one process: memory a stage leaves allocated (the allocator's "
                             "retained blocks) is counted in the next stage's measured peak, not here")
@@ -275,8 +277,9 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
         from .reporter import Reporter
 
         ctx = AdapterContext(RunInfo(plan, plan.run_dir), Reporter(None, None, None, None), quantizer)
-        model = adapter.apply(model, ctx)
-        sources["trainable"] = f"adapter '{stage.adapter.name}' apply() on the meta model"
+        how = "apply_meta" if _optional(adapter, "apply_meta") else "apply"
+        model = getattr(adapter, how)(model, ctx)
+        sources["trainable"] = f"adapter '{stage.adapter.name}' {how}() on the meta model"
     except FtcoreError:
         raise
     except Exception as exc:
@@ -303,10 +306,11 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     fn = _optional(trainer, "optimizer_bytes")
     if fn is not None:
         with calling(stage.trainer, "optimizer_bytes"):
-            optimizer = int(_call(fn, trainable, device=device))
+            out = _call(fn, trainable, device=device)
+        state, temporaries = (int(out[0]), int(out[1])) if isinstance(out, (tuple, list)) else (int(out), 0)
         sources["optimizer"] = f"trainer '{stage.trainer.name}' ({settings.optimizer})"
     else:
-        optimizer = 8 * sum(p.numel() for p in trainable)
+        state, temporaries = 8 * sum(p.numel() for p in trainable), 0
         sources["optimizer"] = "fallback: Adam, two fp32 values per trainable parameter"
 
     fn = _optional(trainer, "activation_bytes")
@@ -321,6 +325,11 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
         sources["activations"] = "fallback: generic decoder formula"
         if not activations:
             notes.append("activations not modeled: the model config has no hidden_size/num_hidden_layers")
+    # The optimizer step's temporaries and the activations never coexist: count the larger.
+    optimizer = state + max(0, temporaries - activations)
+    if temporaries > activations:
+        sources["optimizer"] += (f": state {human(state)} + step temporaries {human(temporaries)} beyond the "
+                                 "activations (the step runs after they are freed)")
     return StageEstimate(stage.name, stage.trainer.name, _adapter_label(stage.adapter), settings,
                          sum(p.numel() for p in params) if params else total_before,
                          sum(p.numel() for p in trainable), weights, gradients, optimizer, activations,
@@ -337,6 +346,7 @@ def _settings(stage: Any, trainer: Any, device: str, calling: Callable, sources:
     if fn is not None:
         with calling(stage.trainer, "memory_settings"):
             raw = dict(fn())
+        notes.extend(str(n) for n in raw.pop("notes", None) or [])
         sources["settings"] = f"trainer '{stage.trainer.name}'"
     else:
         o = trainer.options
@@ -533,6 +543,10 @@ def main_estimate(plan: Any, *, device: str, budget: str | None, as_json: bool, 
         budget_bytes = parse_size(budget) if budget is not None else None
     except ValueError as exc:
         raise FtcoreError(f"--budget: {exc}") from None
+    # Never the network: a hub id is read from the local cache only (the built-in loaders also
+    # pass local_files_only); set before anything imports huggingface_hub.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
     result = estimate_plan(plan, device=device, budget=budget_bytes)
     if as_json:
         sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")

@@ -239,8 +239,14 @@ _CUDA_RUNTIME = 768 * MiB
 
 def trainer_memory_settings(trainer: Any) -> dict[str, Any]:
     o = trainer.options
-    return {"batch_size": o.batch_size, "seq_len": o.max_length, "gradient_checkpointing": o.gradient_checkpointing,
-            "optimizer": o.optimizer, "precision": o.precision}
+    out = {"batch_size": o.batch_size, "seq_len": o.max_length, "gradient_checkpointing": o.gradient_checkpointing,
+           "optimizer": o.optimizer, "precision": o.precision, "notes": []}
+    if not getattr(o, "packing", True):  # sft without packing pads each batch to its longest row
+        out["notes"].append(f"sequences counted at max_length ({o.max_length}), the longest a batch can be: "
+                            "rows are padded to the longest in their batch, so shorter data takes less")
+    if o.gradient_accumulation_steps > 1:
+        out["notes"].append("gradient accumulation adds no memory: the batch is the per-step batch_size")
+    return out
 
 
 def _text_config(config: Any) -> Any:
@@ -284,6 +290,7 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     norms_train = True
     lora_inputs = 0  # sum of the adapted layers' input widths
     lora_outputs = 0  # sum of the LoRA ranks
+    lora_widths = 0  # sum of the adapted layers' output widths
     head_grad = 0
     if model is not None:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -295,6 +302,8 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
             if p.requires_grad and "lora_A" in name and p.dim() == 2:
                 lora_outputs += p.shape[0]
                 lora_inputs += p.shape[1]
+            elif p.requires_grad and "lora_B" in name and p.dim() == 2:
+                lora_widths += p.shape[0]
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         w = getattr(out, "weight", None)
         if w is not None and w.requires_grad and w.dtype != torch.float32:
@@ -314,29 +323,36 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     tile = min(rows, _TILE_TOKENS) * min(vocab, _TILE_VOCAB)
     tiles = tile * (_CUDA_TILES * lin if device == "cuda" else _CPU_TILES * 4)
     head = rows * h * lin + rows * h * 4 + tiles + head_grad
+    # peft's LoRA forward makes three output-sized temporaries per adapted layer (the base
+    # layer's output, the adapter's, the scaled adapter output) before the sum it returns. On
+    # CPU glibc's malloc keeps about two of them per layer resident in its heap (measured, with
+    # or without checkpointing: the heap grows by that much in the first forward and stays);
+    # CUDA's caching allocator reuses them.
+    retained = 2 * tokens * lora_widths * lin if device != "cuda" else 0
     if checkpointing:
         saved = layers * tokens * h * res + final_norm
-        return int(saved + max(head, 2 * per_layer))
-    return int(layers * per_layer + final_norm + head)
+        return int(saved + max(head, 2 * per_layer) + retained)
+    return int(layers * per_layer + final_norm + head + retained)
 
 
-def trainer_optimizer_bytes(trainer: Any, params: list, *, device: str = "cpu") -> int:
-    """Optimizer state for ``params`` (the trainable parameters), plus the step's temporaries:
-    torch's Adam runs ``foreach`` on CUDA (a copy of the state's size for sqrt(v), ...) and one
-    parameter at a time on CPU."""
+def trainer_optimizer_bytes(trainer: Any, params: list, *, device: str = "cpu") -> tuple[int, int]:
+    """``(state, step temporaries)`` for ``params`` (the trainable parameters). torch's Adam
+    runs ``foreach`` on CUDA, which materialises intermediates such as sqrt(v) for every
+    parameter at once (one copy of the parameters' size), and one parameter at a time on CPU
+    (about two copies of the largest parameter)."""
     name = trainer.options.optimizer
     n = sum(p.numel() for p in params)
     own = sum(p.numel() * p.element_size() for p in params)
     largest = max((p.numel() * p.element_size() for p in params), default=0)
     if name in _EIGHT_BIT:
-        return int(_EIGHT_BIT[name] * (n + n / 2048 * 4))
+        return int(_EIGHT_BIT[name] * (n + n / 2048 * 4)), largest
     if name.startswith("adafactor"):
-        return int(sum((sum(p.shape) if p.dim() >= 2 else p.numel()) * 4 for p in params) + largest)
+        return int(sum((sum(p.shape) if p.dim() >= 2 else p.numel()) * 4 for p in params)), 2 * largest
     copies = _STATE_COPIES.get(name, 2)
-    temporaries = largest * 2
+    temporaries = 2 * largest
     if device == "cuda" and "fused" not in name and copies:
         temporaries = own
-    return int(copies * own + temporaries)
+    return int(copies * own), int(temporaries)
 
 
 def trainer_runtime_bytes(trainer: Any, *, device: str = "cpu") -> int:
@@ -361,7 +377,7 @@ class TrainerMemory:
         return trainer_activation_bytes(self, model_config, batch_size, seq_len, checkpointing, model=model,
                                         device=device, precision=precision)
 
-    def optimizer_bytes(self, params: list, *, device: str = "cpu") -> int:
+    def optimizer_bytes(self, params: list, *, device: str = "cpu") -> tuple[int, int]:
         return trainer_optimizer_bytes(self, params, device=device)
 
     def runtime_bytes(self, *, device: str = "cpu") -> int:

@@ -122,6 +122,13 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
                          processing_class=ctx.tokenizer, callbacks=[progress_callback(ctx.reporter, ctx.stage)],
                          optimizer_cls_and_kwargs=own_optimizer)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    # TRL casts the trainable weights of a quantized model to bf16 when it builds the trainer;
+    # adapters train in fp32 (QLoRA keeps only the frozen base in low precision).
+    if getattr(trainer.model, "is_quantized", False) or getattr(trainer.model, "is_loaded_in_4bit", False) \
+            or getattr(trainer.model, "is_loaded_in_8bit", False):
+        for p in trainer.model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
     result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
     ctx.model = trainer.model
     metrics: dict[str, Any] = {"train_loss": result.training_loss, "global_step": result.global_step,

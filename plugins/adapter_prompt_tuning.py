@@ -33,7 +33,7 @@ class PromptLearningAdapter(PeftAdapter):
 
     def check(self, plan):
         problems = super().check(plan)
-        # Which stage this is: the runner's Selected hands its own options object to every instance.
+        # Which stage this is: Selected.create() hands the stage's own options object to the instance.
         index = next((i for i, s in enumerate(plan.stages) if s.adapter.options is self.options), None)
         if index is None:
             return problems
@@ -50,8 +50,8 @@ class PromptLearningAdapter(PeftAdapter):
                     problems.append(f"[[export]] '{export.name}' (use = \"{export.exporter.name}\") folds the adapter "
                                     f"into the weights; {why}: export it with use = \"adapter\" instead")
         if getattr(stage.trainer.options, "packing", False):
-            problems.append(f"stage '{stage.name}' packs samples (packing = true), but {self.name} drops the per-sample "
-                            "positions packing relies on, so samples would see each other; set packing = false")
+            problems.append(f"stage '{stage.name}' packs samples (packing = true), but {self.name} prepends its "
+                            "virtual tokens once per packed sequence, not once per sample; set packing = false")
         return problems
 
     def fresh(self, config: Any) -> Any:

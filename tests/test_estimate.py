@@ -1,0 +1,267 @@
+"""``ftcore estimate``: memory predicted from a plan without loading weights, checked against
+the seed design's 7B figures and against peaks that real ``ftcore run``s measure on this CPU.
+
+The run-based comparisons use the configurations of ``benchmarks/memory_estimate.py`` (which
+prints the same table): tiny and ~55M-parameter Llama models, full fine-tuning and LoRA, with
+and without gradient checkpointing, and QLoRA (bnb-nf4) on a local checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures memory through /proc")
+
+GiB = 2**30
+GB = 10**9
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("memory_estimate", ROOT / "benchmarks" / "memory_estimate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["memory_estimate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+# -- the core stays light ---------------------------------------------------------------------
+def test_the_core_imports_neither_torch_nor_the_builtin_plugins():
+    code = "import sys, ftcore.estimate; print(sorted(m for m in sys.modules if m.split('.')[0] in " \
+           "('torch', 'transformers', 'ftcore_plugins')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert "ftcore_plugins" not in (ROOT / "ftcore" / "estimate.py").read_text()
+
+
+def test_parse_size():
+    from ftcore.estimate import parse_size
+
+    assert parse_size("16GB") == parse_size("16 GiB") == parse_size("16g") == parse_size("16") == 16 * GiB
+    assert parse_size("800MB") == 800 * 2**20
+    assert parse_size("1.5T") == int(1.5 * 2**40)
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+# -- bad input --------------------------------------------------------------------------------
+def test_a_bad_plan_exits_2_with_one_line(tiny_project):
+    plan = tiny_project("""
+[[stage]]
+trainer = "sftt"
+data = "chat"
+""")
+    result = run_cli("estimate", str(plan))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "stage[0]" in lines[0] and "did you mean 'sft'" in lines[0]
+    assert result.stdout == ""
+
+
+def test_a_bad_budget_exits_2(tiny_project):
+    plan = tiny_project('[[stage]]\ntrainer = "sft"\ndata = "chat"\n')
+    result = run_cli("estimate", str(plan), "--budget", "lots")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --budget: not a memory size: 'lots' (e.g. 16GB, 800MB)"
+
+
+def test_a_hub_id_that_is_not_cached_is_not_downloaded(tmp_path):
+    (tmp_path / "chat.jsonl").write_text("")
+    plan = tmp_path / "hub.toml"
+    plan.write_text('[model]\nuse = "hf"\npath = "nobody-ftcore/not-a-model"\n\n[data.chat]\nuse = "jsonl"\n'
+                    'path = "chat.jsonl"\n\n[[stage]]\ntrainer = "sft"\ndata = "chat"\n')
+    result = run_cli("estimate", str(plan), env={"HF_HOME": str(tmp_path / "empty-hf-home")}, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert "estimate never downloads" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# -- output -----------------------------------------------------------------------------------
+TWO_STAGES = """
+[[stage]]
+name = "pre"
+trainer = "pretrain"
+data = "text"
+adapter = "full"
+batch_size = 4
+max_length = 64
+
+[[stage]]
+name = "tune"
+trainer = "sft"
+data = "chat"
+adapter = { use = "lora", r = 4 }
+batch_size = 2
+max_length = 64
+gradient_checkpointing = true
+"""
+
+
+def test_one_line_per_stage_and_a_table(tiny_project):
+    plan = tiny_project(TWO_STAGES)
+    result = run_cli("estimate", str(plan), "--budget", "64GB", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    stage_lines = [line for line in lines if line.startswith("stage ")]
+    assert [line.split(":")[0] for line in stage_lines] == ["stage pre", "stage tune"]
+    assert "batch 4 x 64 tokens, checkpointing off" in stage_lines[0] and "full" in stage_lines[0]
+    assert "lora (r=4)" in stage_lines[1] and "checkpointing on" in stage_lines[1]
+    assert all("fits 64.00 GiB" in line for line in stage_lines)
+    assert "Estimated peak memory (RSS, cpu), GiB" in result.stdout
+    assert any("weights" in line and "activations" in line and "overhead" in line for line in lines)
+    assert "note: stages run in one process" in result.stdout
+
+
+def test_json_shape(tiny_project):
+    plan = tiny_project(TWO_STAGES)
+    result = run_cli("estimate", str(plan), "--json", "--device", "cpu", "--budget", "100MB")
+    assert result.returncode == 1, result.stderr  # it does not fit in 100 MiB
+    out = json.loads(result.stdout)
+    assert {"plan", "model", "quantizer", "device", "budget_bytes", "peak_bytes", "peak_mib", "fits", "stages",
+            "notes"} <= set(out)
+    assert out["device"] == "cpu" and out["model"] == "scratch" and out["quantizer"] == "none"
+    assert out["budget_bytes"] == 100 * 2**20 and out["fits"] is False
+    pre, tune = out["stages"]
+    assert (pre["stage"], pre["trainer"], pre["adapter"]) == ("pre", "pretrain", "full")
+    assert (tune["batch_size"], tune["seq_len"], tune["gradient_checkpointing"]) == (2, 64, True)
+    assert tune["optimizer"] == "adamw_torch" and tune["precision"] == "fp32"
+    for s in out["stages"]:
+        terms = s["bytes"]
+        assert set(terms) == {"weights", "gradients", "optimizer", "activations", "overhead", "total"}
+        assert terms["total"] == sum(v for k, v in terms.items() if k != "total")
+        assert all(v >= 0 for v in terms.values()) and s["fits"] is False
+        assert s["mib"]["total"] == round(terms["total"] / 2**20, 1)
+        assert {"model", "weights", "trainable", "optimizer", "activations", "overhead",
+                "settings"} <= set(s["sources"])
+    assert pre["params"]["trainable"] == pre["params"]["total"]  # full fine-tuning
+    assert 0 < tune["params"]["trainable"] < tune["params"]["total"] // 10  # LoRA r=4
+    assert tune["bytes"]["gradients"] < pre["bytes"]["gradients"]
+    assert out["peak_bytes"] == max(s["bytes"]["total"] for s in out["stages"])
+
+
+# -- the seed design's 7B figures ---------------------------------------------------------------
+LLAMA_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "float16",
+            "bos_token_id": 1, "eos_token_id": 2}
+
+# batch 1 x 512 tokens; fp32 weights and training for the full fine-tune, a bf16 base for LoRA,
+# nf4 with double quantization and checkpointing (the quantizer's default) for QLoRA; r = 8 on
+# every linear layer. On a GPU (bf16 autocast where the trainer's precision is "auto").
+SEVEN_B = {
+    "full": ('dtype = "float32"', "", '"full"', 'precision = "fp32"'),
+    "lora": ('dtype = "bfloat16"', "", '{ use = "lora", r = 8 }', ""),
+    "qlora": ("", '[quantizer]\nuse = "bnb-nf4"', '{ use = "lora", r = 8 }', ""),
+}
+
+
+@pytest.fixture(scope="module")
+def seven_b(tmp_path_factory):
+    """The three 7B plans, estimated for CUDA with --budget 16GB: {name: (exit code, json)}.
+    The model folder holds only config.json: no weights, no tokenizer."""
+    folder = tmp_path_factory.mktemp("llama-7b")
+    (folder / "llama-7b").mkdir()
+    (folder / "llama-7b" / "config.json").write_text(json.dumps(LLAMA_7B))
+    (folder / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                {"role": "assistant", "content": "hello"}]}) + "\n")
+    plans = {}
+    for name, (dtype, quantizer, adapter, precision) in SEVEN_B.items():
+        plans[name] = folder / f"{name}.toml"
+        plans[name].write_text(f"""
+[model]
+use = "hf"
+path = "llama-7b"
+{dtype}
+
+{quantizer}
+
+[template]
+use = "chatml"
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[stage]]
+name = "{name}"
+trainer = "sft"
+data = "chat"
+adapter = {adapter}
+batch_size = 1
+max_length = 512
+{precision}
+""")
+
+    def estimate(name):
+        result = run_cli("estimate", str(plans[name]), "--json", "--device", "cuda", "--budget", "16GB")
+        assert result.returncode in (0, 1), result.stderr
+        return name, (result.returncode, json.loads(result.stdout))
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        return dict(pool.map(estimate, SEVEN_B))
+
+
+def test_7b_full_fine_tune_fp32_adam_is_about_112_gb(seven_b):
+    code, out = seven_b["full"]
+    s = out["stages"][0]
+    assert s["params"] == {"total": 6_738_415_616, "trainable": 6_738_415_616}
+    b = s["bytes"]
+    # The seed design's 16 bytes per parameter: fp32 weights, gradients and Adam's two moments.
+    assert b["gradients"] == 4 * 6_738_415_616
+    assert b["weights"] == pytest.approx(4 * 6_738_415_616, rel=1e-6)  # and the rotary buffer
+    state = 8 * 6_738_415_616
+    assert b["optimizer"] >= state
+    assert (b["weights"] + b["gradients"] + state) / GB == pytest.approx(112, rel=0.05)  # 107.8 GB
+    # The whole step also holds activations and, on CUDA, foreach Adam's temporaries.
+    assert 112 <= b["total"] / GB <= 1.3 * 112
+    assert code == 1 and s["fits"] is False
+
+
+def test_7b_lora_is_about_16_gb(seven_b):
+    code, out = seven_b["lora"]
+    s = out["stages"][0]
+    assert s["params"]["trainable"] == 19_988_480  # r=8 on q, k, v, o, gate, up, down of 32 layers
+    assert s["bytes"]["weights"] == pytest.approx(2 * 6_738_415_616 + 4 * 19_988_480, rel=1e-6)  # bf16 + fp32 LoRA
+    assert s["precision"] == "bf16" and not s["gradient_checkpointing"]
+    assert 0.8 * 16 <= s["bytes"]["total"] / GB <= 1.25 * 16
+    assert code == 1 and s["fits"] is False  # just over 16 GiB without checkpointing
+
+
+def test_7b_qlora_is_about_6_to_8_gb(seven_b):
+    code, out = seven_b["qlora"]
+    s = out["stages"][0]
+    assert s["gradient_checkpointing"] is True  # the bnb quantizers turn it on
+    assert "weight_bytes" in s["sources"]["weights"]
+    # 4-bit linear layers with double-quantized constants, fp32 embeddings and head (prepare upcasts them)
+    assert 3.9 <= s["bytes"]["weights"] / GiB <= 4.4
+    assert 0.85 * 6 <= s["bytes"]["total"] / GB <= 8
+    assert code == 0 and s["fits"] is True and out["fits"] is True
+
+
+# -- estimate vs measured -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    folder = bench.write_project(tmp_path_factory.mktemp("memory-estimate"))
+    results = bench.run_all(bench.CONFIGS, folder)
+    print("\n" + bench.table(results))
+    return {r.config.name: r for r in results}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [c.name for c in bench.CONFIGS])
+def test_estimate_is_within_25_percent_of_the_measured_peak(measured, name):
+    r = measured[name]
+    assert abs(r.error) <= bench.TOLERANCE, (
+        f"{name}: estimate {r.estimate_mib:.0f} MiB, measured {r.measured_mib:.0f} MiB ({100 * r.error:+.1f}%); "
+        f"notes: {r.stage['notes']}\n{bench.table(list(measured.values()))}")

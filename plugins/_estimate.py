@@ -226,6 +226,7 @@ _EIGHT_BIT = {  # one byte per state value (+ a block constant per 2048 values)
 # with Triton (CUDA) one tile in the compute dtype and the kernel's own buffers.
 _TILE_TOKENS, _TILE_VOCAB = 4096, 32768
 _CPU_TILES, _CUDA_TILES = 8.5, 2.0
+_MMAP_THRESHOLD_MAX = 32 * MiB  # glibc, 64-bit: larger blocks are always mmapped, and unmapped when freed
 
 # Process memory a TRL training run adds on CPU beyond what its imports take: the trainer,
 # accelerate state, tokenized data, the data loader, thread pools, oneDNN caches and the
@@ -290,7 +291,7 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     norms_train = True
     lora_inputs = 0  # sum of the adapted layers' input widths
     lora_outputs = 0  # sum of the LoRA ranks
-    lora_widths = 0  # sum of the adapted layers' output widths
+    lora_widths: list[int] = []  # the adapted layers' output widths
     head_grad = 0
     if model is not None:
         emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -303,7 +304,7 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
                 lora_outputs += p.shape[0]
                 lora_inputs += p.shape[1]
             elif p.requires_grad and "lora_B" in name and p.dim() == 2:
-                lora_widths += p.shape[0]
+                lora_widths.append(p.shape[0])
         out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         w = getattr(out, "weight", None)
         if w is not None and w.requires_grad and w.dtype != torch.float32:
@@ -326,9 +327,12 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     # peft's LoRA forward makes three output-sized temporaries per adapted layer (the base
     # layer's output, the adapter's, the scaled adapter output) before the sum it returns. On
     # CPU glibc's malloc keeps about two of them per layer resident in its heap (measured, with
-    # or without checkpointing: the heap grows by that much in the first forward and stays);
+    # or without checkpointing: the heap grows by that much in the first forward and stays),
+    # unless they are above its largest mmap threshold (32 MiB), which it gives back at once.
     # CUDA's caching allocator reuses them.
-    retained = 2 * tokens * lora_widths * lin if device != "cuda" else 0
+    retained = 0
+    if device != "cuda":
+        retained = sum(2 * tokens * w * lin for w in lora_widths if tokens * w * lin <= _MMAP_THRESHOLD_MAX)
     if checkpointing:
         saved = layers * tokens * h * res + final_norm
         return int(saved + max(head, 2 * per_layer) + retained)

@@ -210,11 +210,6 @@ class Result:
     def error(self) -> float:
         return (self.estimate_mib - self.measured_mib) / self.measured_mib
 
-    @property
-    def explained(self) -> bool:
-        """Out of tolerance, but the estimate printed why (a term it does not model)."""
-        return bool(self.stage["notes"])
-
 
 def run_all(configs: list[Config], folder: Path, jobs: int = 2) -> list[Result]:
     """Estimate every configuration (``jobs`` at a time: an estimate is mostly imports), then

@@ -230,8 +230,8 @@ _MMAP_THRESHOLD_MAX = 32 * MiB  # glibc, 64-bit: larger blocks are always mmappe
 
 # Process memory a TRL training run adds on CPU beyond what its imports take: the trainer,
 # accelerate state, tokenized data, the data loader, thread pools, oneDNN caches and the
-# allocator's retained blocks of the first step. Measured 80-180 MiB across the CPU runs of
-# tests/test_estimate.py (tiny models, where nothing else is large).
+# allocator's retained blocks of the first step. Measured 70-120 MiB on the tiny models of
+# benchmarks/memory_estimate.py, where nothing else is large.
 _CPU_RUNTIME = 120 * MiB
 # CUDA: the context (kernels, cuBLAS/cuDNN handles; not in torch's allocated figure, but in
 # what the GPU has in use) and the caching allocator's reserve. Typical, not measured here.

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -147,6 +146,111 @@ def test_json_shape(tiny_project):
     assert 0 < tune["params"]["trainable"] < tune["params"]["total"] // 10  # LoRA r=4
     assert tune["bytes"]["gradients"] < pre["bytes"]["gradients"]
     assert out["peak_bytes"] == max(s["bytes"]["total"] for s in out["stages"])
+
+
+# -- components that answer nothing get the fallbacks ----------------------------------------------
+def _third_party_plugin():
+    """A loader, quantizer, adapter and trainer with none of the estimate's optional methods."""
+    import ftcore
+    from ftcore.component import Component, Options
+
+    class PathOptions(Options):
+        path: str
+
+    class Loader(Component):
+        name = "bare-loader"
+        Options = PathOptions
+
+        def load(self, ctx):  # pragma: no cover - never called by the estimate
+            raise AssertionError("the estimate must not load the model")
+
+    class Quantizer(Component):
+        name = "bare-quantizer"
+
+        def load_kwargs(self):
+            return {}
+
+        def prepare(self, model):  # pragma: no cover
+            return model
+
+    class Adapter(Component):
+        name = "bare-adapter"
+
+        def apply(self, model, ctx):  # trains only the output head
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.startswith("lm_head"))
+            return model
+
+        def save(self, model, path):  # pragma: no cover
+            pass
+
+        def restore(self, base, path, ctx):  # pragma: no cover
+            return base
+
+        def merge(self, model):  # pragma: no cover
+            return model
+
+    class TrainerOptions(Options):
+        batch_size: int = 3
+        max_length: int = 40
+
+    class Trainer(Component):
+        name = "bare-trainer"
+        Options = TrainerOptions
+
+        def train(self, ctx):  # pragma: no cover
+            return {}
+
+    class Plugin:
+        @ftcore.hookimpl
+        def register_model_loaders(self, register):
+            register(Loader)
+
+        @ftcore.hookimpl
+        def register_quantizers(self, register):
+            register(Quantizer)
+
+        @ftcore.hookimpl
+        def register_adapters(self, register):
+            register(Adapter)
+
+        @ftcore.hookimpl
+        def register_trainers(self, register):
+            register(Trainer)
+
+    return Plugin()
+
+
+def test_components_without_the_optional_methods_get_stated_fallbacks(tmp_path):
+    from ftcore.estimate import estimate_plan
+    from ftcore.plan import load_plan
+    from ftcore.plugins import PluginInfo, get_plugin_manager
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+         "num_hidden_layers": 2, "vocab_size": 1000, "tie_word_embeddings": False}))
+    (tmp_path / "rows.jsonl").write_text("")
+    plan_path = tmp_path / "plan.toml"
+    plan_path.write_text('[model]\nuse = "bare-loader"\npath = "MODEL"\n\n[quantizer]\nuse = "bare-quantizer"\n\n'
+                         '[data.rows]\nuse = "jsonl"\npath = "rows.jsonl"\n\n[[stage]]\ntrainer = "bare-trainer"\n'
+                         'data = "rows"\nadapter = "bare-adapter"\n'.replace("MODEL", str(tmp_path / "model")))
+    pm = get_plugin_manager(entry_points=False)
+    pm.add_plugin(_third_party_plugin(), PluginInfo("bare", "ftcore-tests", "0", "entry point"))
+    result = estimate_plan(load_plan(plan_path, pm.registry()), device="cpu")
+    (s,) = result.stages
+    params = 1000 * 64 * 2 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert (s.total_params, s.trainable_params) == (params, 1000 * 64)
+    assert s.sources["model"] == "fallback: config.json at the loader's path"
+    assert s.sources["weights"] == "parameters x their dtype size" and s.weights >= 4 * params
+    assert s.sources["settings"] == "fallback: the trainer's options"
+    assert (s.settings.batch_size, s.settings.seq_len, s.settings.optimizer, s.settings.precision) == (
+        3, 40, "adamw_torch", "fp32")
+    assert s.gradients == 4 * 1000 * 64 and s.optimizer == 8 * 1000 * 64
+    assert s.sources["activations"] == "fallback: generic decoder formula" and s.activations > 0
+    assert s.sources["optimizer"].startswith("fallback") and s.overhead > 0
+    assert any("no memory_settings()" in n for n in s.notes)
+    assert any("no runtime_bytes()" in n for n in s.notes)
 
 
 # -- the seed design's 7B figures ---------------------------------------------------------------

@@ -649,14 +649,8 @@ def read_json_python(path: Path, shown: str, skip: bool) -> Unit:
         start, offset = offset, offset + len(raw) + 1
         if not raw.strip():
             continue
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            full = UnicodeDecodeError(exc.encoding, data, start + exc.start, start + exc.end, exc.reason)
-            message = _decode_error(data, full, shown)
-            if not skip:
-                raise FtcoreError(message) from None
-            unit.rejected.append((f"{shown}:{lineno}", F.RowError(message.split(": ", 1)[1], "not_utf8")))
+        line = _decode_line(raw, data, start, shown, lineno, unit, skip)
+        if line is None:
             continue
         try:
             value = json.loads(line)
@@ -672,6 +666,20 @@ def read_json_python(path: Path, shown: str, skip: bool) -> Unit:
         row_lines.append(lineno)
     unit.rows, unit.lines = rows, row_lines
     return unit
+
+
+def _decode_line(raw: bytes, data: bytes, start: int, shown: str, lineno: int, unit: Unit,
+                 skip: bool) -> str | None:
+    """One line as text; a line that is not UTF-8 is an error naming where, or rejected when skipping."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        full = UnicodeDecodeError(exc.encoding, data, start + exc.start, start + exc.end, exc.reason)
+        message = _decode_error(data, full, shown)
+        if not skip:
+            raise FtcoreError(message) from None
+        unit.rejected.append((f"{shown}:{lineno}", F.RowError(message.split(": ", 1)[1], "not_utf8")))
+        return None
 
 
 def _is_object(value: Any, where: str, unit: Unit, skip: bool) -> bool:
@@ -792,15 +800,10 @@ def read_text_python(path: Path, shown: str, unit_by: str, skip: bool) -> Unit:
         start, offset = offset, offset + len(raw) + 1
         if lineno > 1 and raw == b"" and offset > len(data):
             break  # the newline at the end
-        try:
-            line = raw.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError as exc:
-            full = UnicodeDecodeError(exc.encoding, data, start + exc.start, start + exc.end, exc.reason)
-            message = _decode_error(data, full, shown)
-            if not skip:
-                raise FtcoreError(message) from None
-            unit.rejected.append((f"{shown}:{lineno}", F.RowError(message.split(": ", 1)[1], "not_utf8")))
+        line = _decode_line(raw, data, start, shown, lineno, unit, skip)
+        if line is None:
             continue
+        line = line.rstrip("\r")
         rows.append({"text": line})
         lines.append(lineno)
     unit.rows, unit.lines = rows, lines

@@ -20,10 +20,6 @@ class PlanError(FtcoreError):
         super().__init__("\n".join(self.problems))
 
 
-class PluginError(FtcoreError):
-    """A plugin failed to load, registered badly, or clashed with another plugin."""
-
-
 class ComponentError(Exception):
     """A component raised while running. Not the user's input; exits 1."""
 

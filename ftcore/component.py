@@ -61,5 +61,7 @@ KINDS: dict[str, Kind] = {
         Kind("trainer", "register_trainers", ("train",), "Trainers"),
         Kind("evaluator", "register_evaluators", ("evaluate",), "Evaluators"),
         Kind("exporter", "register_exporters", ("export",), "Exporters"),
+        Kind("reward function", "register_reward_functions", ("score",), "Reward functions"),
+        Kind("tracker", "register_trackers", ("ftcore_log",), "Trackers"),
     )
 }

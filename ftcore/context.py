@@ -7,7 +7,7 @@ along.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,18 @@ class StageContext:
     checkpoint_dir: Path  # where to save resumable checkpoints
     resume_from: Path | None  # the checkpoint to continue from, when resuming
     seed: int
+    adapter: Any = None  # the stage's adapter component (e.g. its ``optimizer(model, args)``, if it has one)
+    rewards: dict[str, Any] = field(default_factory=dict)  # the plan's [reward.<name>] functions, created
+    outputs: dict[str, Path] = field(default_factory=dict)  # earlier stages' output folders, by stage name
+    # True when ``model`` carries an adapter an earlier stage trained and this stage continues, so
+    # disabling the adapter does not give the model as it was when this stage started.
+    continues_adapter: bool = False
+
+    @property
+    def output(self) -> Path:
+        """Where the stage's product goes: the runner saves the adapter there, and a trainer that
+        trains a separate model (``trains_policy = False``, e.g. a reward model) saves that model there."""
+        return self.output_dir / "output"
 
 
 @dataclass

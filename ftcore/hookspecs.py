@@ -90,6 +90,27 @@ def register_exporters(register: Register) -> None:
 
 
 @hookspec
+def register_reward_functions(register: Register) -> None:
+    """Register reward functions, which score generated completions for PPO, GRPO and RLOO.
+
+    :param register: call ``register(cls)`` for each reward function class, with ``name``,
+        ``Options`` and ``score(prompts, completions) -> list[float]``. A plan selects one
+        as ``[reward.<name>]`` and a trainer names it in its ``reward`` options.
+    """
+
+
+@hookspec
+def register_trackers(register: Register) -> None:
+    """Register experiment trackers (TensorBoard, MLflow, ...), selected in a plan's ``track``.
+
+    :param register: call ``register(cls)`` for each tracker class, with ``name``, ``Options``
+        and the lifecycle hooks it needs as methods marked ``@ftcore.hookimpl``; at least
+        ``ftcore_log``. The runner creates the plan's trackers and registers each instance
+        as a plugin for the length of the run, so they see the run through the same hooks.
+    """
+
+
+@hookspec
 def ftcore_run_start(run: Any) -> None:
     """Called once a run directory is ready, before any model is loaded.
 

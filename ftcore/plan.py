@@ -24,7 +24,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "stage", "evaluate", "export")
+TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate",
+             "export", "track")
 RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
 STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
 EVALUATE_KEYS = ("name", "use", "data", "when")
@@ -62,6 +63,11 @@ class Stage:
     eval_data: str | None
     adapter: Selected
 
+    @property
+    def trains_policy(self) -> bool:
+        """False for a stage that trains a separate model (a reward model) and leaves the policy as it was."""
+        return getattr(self.trainer.reg.cls, "trains_policy", True)
+
 
 @dataclass
 class Evaluation:
@@ -93,6 +99,8 @@ class Plan:
     stages: list[Stage]
     evaluations: list[Evaluation]
     exports: list[Export]
+    rewards: dict[str, Selected]
+    trackers: list[Selected]
 
     @property
     def base_dir(self) -> Path:
@@ -287,6 +295,17 @@ class _Checker:
                 data[name] = sel
         data_names = set(self.table(raw, "data") or {})
 
+        rewards: dict[str, Selected] = {}
+        for name, section in (self.table(raw, "reward") or {}).items():
+            if not isinstance(section, dict):
+                self.problem(f"reward.{name}", f"must be a table ([reward.{name}]), got {_type(section)}")
+                continue
+            sel = self.component("reward function", f"reward.{name}", section)
+            if sel:
+                rewards[name] = sel
+
+        trackers = self.trackers(raw.get("track"))
+
         def data_ref(section: dict, key: str, path: str, required: bool) -> str | None:
             """``name`` (its train split) or ``name:split``, e.g. ``chat:validation``."""
             ref = self.string(section, key, path, required)
@@ -315,6 +334,8 @@ class _Checker:
             eval_ref = data_ref(section, "eval_data", f"{key}.eval_data", required=False)
             adapter = self.component("adapter", f"{key}.adapter", section.get("adapter", default_adapter),
                                      default=DEFAULTS["adapter"])
+            if trainer:
+                self.references(trainer, f"{key}", [s.name for s in stages], set(self.table(raw, "reward") or {}))
             if trainer and adapter and ref:
                 stages.append(Stage(i, str(name), trainer, ref, eval_ref, adapter))
 
@@ -347,11 +368,11 @@ class _Checker:
         if self.problems or model is None or quantizer is None or template is None:
             return None
         plan = Plan(path, raw, run_name, seed, output_dir, requires, model, quantizer, template, data,
-                    stages, evaluations, exports)
+                    stages, evaluations, exports, rewards, trackers)
         # Cross-checks a component makes against the whole plan (cheap: nothing is loaded).
         for sel in [model, quantizer, template, *data.values(), *(s.trainer for s in stages),
                     *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
-                    *(e.exporter for e in exports)]:
+                    *(e.exporter for e in exports), *rewards.values(), *trackers]:
             try:
                 messages = sel.create().check(plan)
             except Exception as exc:  # a plugin bug, reported as such rather than as a traceback
@@ -366,6 +387,44 @@ class _Checker:
                 else:
                     self.problem(sel.key, msg)
         return plan
+
+    def trackers(self, value: Any) -> list[Selected]:
+        """``track = ["tensorboard", "mlflow"]``, or ``[track.mlflow]`` tables with options."""
+        if value is None:
+            return []
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = {v: {} for v in value}
+        if not isinstance(value, dict):
+            self.problem("track", f"must be a list of tracker names or [track.<name>] tables, got {_type(value)}")
+            return []
+        out = []
+        for name, section in value.items():
+            if not isinstance(section, dict):
+                self.problem(f"track.{name}", f"must be a table ([track.{name}]), got {_type(section)}")
+                continue
+            sel = self.component("tracker", f"track.{name}", {**section, "use": name})
+            if sel:
+                out.append(sel)
+        return out
+
+    def references(self, sel: Selected, key: str, earlier: list[str], rewards: set[str]) -> None:
+        """Options that name an earlier stage or a [reward.<name>] must name one that exists."""
+        from .types import references
+
+        for field, info in type(sel.options).model_fields.items():
+            kind = references(info.annotation, info.metadata)
+            value = getattr(sel.options, field)
+            if kind is None or value is None:
+                continue
+            for i, ref in enumerate(value if isinstance(value, list) else [value]):
+                path = f"{key}.{info.alias or field}" + (f"[{i}]" if isinstance(value, list) else "")
+                if kind == "stage" and ref not in earlier:
+                    self.problem(path, f"no earlier stage is named {ref!r}"
+                                       + (f"; earlier stages: {', '.join(earlier)}" if earlier else
+                                          "; it must name a [[stage]] that runs before this one"))
+                elif kind == "reward" and ref not in rewards:
+                    self.problem(path, unknown_choice("reward", ref, rewards).replace("unknown reward", "undefined reward")
+                                 + f" (define it as [reward.{ref}])")
 
     def folder_name(self, name: Any, path: str) -> bool:
         if isinstance(name, str) and _FOLDER.match(name):

@@ -12,6 +12,7 @@ import inspect
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pluggy
 
 from . import __version__, hookspecs
 from .component import KINDS
-from .errors import did_you_mean
+from .errors import FtcoreError, did_you_mean
 from .registry import Registration, Registry
 
 ENTRY_POINT_GROUP = "ftcore"
@@ -100,9 +101,27 @@ class PluginManager(pluggy.PluginManager):
             return
         self.infos[info.name] = info
 
+    def add_run_plugin(self, obj: object, reg: Any) -> str:
+        """Register a component instance that implements lifecycle hooks (a tracker) for one run;
+        returns its plugin name, for ``unregister(name=...)`` when the run ends."""
+        name = f"{reg.kind}:{reg.name}"
+        info = PluginInfo(name, reg.dist, reg.version, reg.plugin)
+        unknown = [n for n in dir(obj) if not n.startswith("_") and self.parse_hookimpl_opts(obj, n) is not None
+                   and not getattr(getattr(self.hook, n, None), "has_spec", lambda: False)()]
+        if unknown:
+            raise FtcoreError(f"{reg.kind} '{reg.name}' from {reg.who()} implements unknown hook "
+                              f"'{unknown[0]}'{did_you_mean(unknown[0], _spec_names(self))}")
+        try:
+            self.register(obj, name=name)
+        except Exception as exc:  # pluggy validates hook signatures here
+            raise FtcoreError(f"{reg.kind} '{reg.name}' from {reg.who()} is not a valid plugin: {_one_line(exc)}") \
+                from None
+        self.infos[name] = info
+        return name
+
     def check_pending(self) -> None:
         """Unregister, and report, each plugin that implements a hook that does not exist."""
-        specs = [n for n in dir(self.hook) if not n.startswith("_") and getattr(self.hook, n).has_spec()]
+        specs = _spec_names(self)
         while True:
             try:
                 super().check_pending()
@@ -243,6 +262,10 @@ def _ensure_builtin_package() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["ftcore_plugins"] = module
     spec.loader.exec_module(module)
+
+
+def _spec_names(pm: pluggy.PluginManager) -> list[str]:
+    return [n for n in dir(pm.hook) if not n.startswith("_") and getattr(pm.hook, n).has_spec()]
 
 
 def _who(info: PluginInfo) -> str:

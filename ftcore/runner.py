@@ -82,6 +82,7 @@ class Runner:
         if note:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
+        trackers = self._start_trackers()
         self._notify("ftcore_run_start", run=self.info)
         memory.reset_peak()
         self._measure("baseline")
@@ -93,6 +94,7 @@ class Runner:
                 rundir.write_json(self.run_dir / rundir.MANIFEST,
                                   {**manifest, "status": status, "ended_at": rundir.now(), "error": str(exc)[:500]})
             self._notify("ftcore_run_end", run=self.info, error=exc)
+            self._stop_trackers(trackers)
             self._close_log(handler)
             raise
         summary = self._summary()
@@ -103,6 +105,7 @@ class Runner:
                                                                "ended_at": rundir.now(),
                                                                "hardware": rundir.hardware()})
         self._notify("ftcore_run_end", run=self.info, error=None)
+        self._stop_trackers(trackers)
         self._close_log(handler)
         return summary
 
@@ -177,6 +180,8 @@ class Runner:
             self._base = None  # training changes it in place from here on
             return ModelState(model, tokenizer, None, -1)
         stage = self.plan.stages[index]
+        if not stage.trains_policy:  # its product is a separate model; the policy is the one before it
+            return self._materialize(index - 1)
         marker = self._marker(stage) or {}
         started = int(marker.get("adapter_from", index))
         state = self._materialize(started - 1)
@@ -197,7 +202,9 @@ class Runner:
         model, adapter_from = state.model, state.adapter_from
         same = state.adapter is not None and state.adapter.reg is stage.adapter.reg \
             and state.adapter.options == stage.adapter.options
-        if not same:
+        # A stage that trains a separate model (a reward model) gets the policy to start from and its
+        # adapter unapplied; the policy passes on to the next stage as it was.
+        if stage.trains_policy and not same:
             if state.adapter is not None:
                 with calling(state.adapter, "merge"):
                     model = state.adapter.create().merge(model)
@@ -213,20 +220,27 @@ class Runner:
             ctx = StageContext(self.info, self.reporter, stage.name, model, state.tokenizer, self.template,
                                self._load_data(stage.data),
                                self._load_data(stage.eval_data) if stage.eval_data else None,
-                               folder, checkpoints, resume_from, self.plan.seed)
+                               folder, checkpoints, resume_from, self.plan.seed,
+                               adapter=stage.adapter.create(),
+                               rewards={name: sel.create() for name, sel in self.plan.rewards.items()},
+                               outputs={s.name: self.stage_dir(s) / "output" for s in self.plan.stages[:stage.index]},
+                               continues_adapter=stage.trains_policy and same)
             memory.reset_peak()
             with calling(stage.trainer, "train"):
                 metrics.update(stage.trainer.create().train(ctx) or {})
             metrics.update(self._measure(f"{stage.name}: trained"))
-            with calling(stage.adapter, "save"):
-                if self.info.is_main:
-                    stage.adapter.create().save(ctx.model, folder / "output")
+            if stage.trains_policy:
+                with calling(stage.adapter, "save"):
+                    if self.info.is_main:
+                        stage.adapter.create().save(ctx.model, ctx.output)
         self.stage_metrics[stage.name] = dict(metrics)
         if self.info.is_main:
             rundir.write_json(folder / rundir.COMPLETE, {
                 "stage": stage.name, "trainer": stage.trainer.reg.qualified,
                 "adapter": stage.adapter.reg.qualified, "adapter_from": adapter_from,
                 "metrics": metrics, "seconds": round(self.steps[-1].seconds, 2), "finished_at": rundir.now()})
+        if not stage.trains_policy:
+            return state
         return ModelState(ctx.model, state.tokenizer, stage.adapter, adapter_from)
 
     def _evaluate(self, phase: str, model: Any, tokenizer: Any) -> None:
@@ -263,6 +277,19 @@ class Runner:
                 self.reporter.info(f"exported [bold]{export.name}[/] to {artifact or path}")
 
     # -- helpers ---------------------------------------------------------------------------
+    def _start_trackers(self) -> list[str]:
+        """Register the plan's trackers as plugins for this run: they see it through the lifecycle hooks."""
+        names = []
+        for sel in self.plan.trackers:
+            with calling(sel, "__init__"):
+                tracker = sel.create()
+            names.append(self.pm.add_run_plugin(tracker, sel.reg))
+        return names
+
+    def _stop_trackers(self, names: list[str]) -> None:
+        for name in names:
+            self.pm.unregister(name=name)
+
     def _adapter_ctx(self) -> AdapterContext:
         return AdapterContext(self.info, self.reporter, self.quantizer)
 
@@ -415,10 +442,11 @@ def calling(sel: Selected, what: str) -> Iterator[None]:
 
 
 def _last_checkpoint(folder: Path) -> Path | None:
-    """The newest complete Trainer checkpoint (its trainer_state.json is written last)."""
+    """The newest complete checkpoint: a trainer writes ``COMPLETE.json`` into a checkpoint folder
+    (atomically) once everything else in it is saved, so a save killed halfway is never picked."""
     found = []
     for child in folder.glob("checkpoint-*"):
         m = re.fullmatch(r"checkpoint-(\d+)", child.name)
-        if m and (child / "trainer_state.json").exists():
+        if m and (child / rundir.COMPLETE).exists():
             found.append((int(m.group(1)), child))
     return max(found)[1] if found else None

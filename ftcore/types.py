@@ -41,3 +41,43 @@ InputPath = Annotated[Path, AfterValidator(_existing)]
 
 OutputPath = Annotated[Path, AfterValidator(_resolve)]
 """A path to write to; relative to the plan's folder. It need not exist yet."""
+
+
+class Reference:
+    """Marks an option whose value names another part of the plan; the core checks it.
+
+    ``kind`` is ``"stage"`` (an earlier ``[[stage]]`` by name) or ``"reward"`` (a
+    ``[reward.<name>]`` table).
+    """
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"Reference({self.kind!r})"
+
+
+StageRef = Annotated[str, Reference("stage")]
+"""The name of an earlier stage, e.g. the reward-model stage a PPO stage scores with. The trainer
+finds its output folder in ``ctx.outputs[name]``."""
+
+RewardRef = Annotated[str, Reference("reward")]
+"""The name of a plan's ``[reward.<name>]`` reward function; the trainer calls ``ctx.rewards[name]``."""
+
+
+def references(annotation: object, metadata: list | tuple = ()) -> str | None:
+    """The reference kind an option field holds (also inside ``list[...]`` and ``X | None``)."""
+    import typing
+
+    for m in metadata:
+        if isinstance(m, Reference):
+            return m.kind
+    if typing.get_origin(annotation) is Annotated:
+        found = references(None, annotation.__metadata__)
+        if found:
+            return found
+    for arg in typing.get_args(annotation):
+        found = references(arg)
+        if found:
+            return found
+    return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 from ftcore.component import Options
@@ -71,18 +72,39 @@ def progress_callback(reporter: Any, stage: str):
     return RichProgress()
 
 
-def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, packing: bool,
-            packing_strategy: str = "bfd") -> dict[str, Any]:
-    """Train ``ctx.model`` with TRL's SFTTrainer on pre-tokenized ``input_ids``/``labels``."""
-    import torch
-    from transformers import PrinterCallback
-    from trl import SFTConfig, SFTTrainer
+def checkpoint_marker():
+    """Writes ``COMPLETE.json`` into each checkpoint once the Trainer has saved all of it: resume
+    (the runner's ``_last_checkpoint``) only picks marked checkpoints, so a killed save is skipped."""
+    from transformers import TrainerCallback
 
-    cuda = torch.cuda.is_available()
-    precision = o.precision
-    if precision == "auto":
-        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
-    config = SFTConfig(
+    from ftcore import rundir
+
+    class CheckpointMarker(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            if state.is_world_process_zero:
+                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+                if folder.is_dir():
+                    rundir.write_json(folder / rundir.COMPLETE, {"global_step": state.global_step,
+                                                                 "finished_at": rundir.now()})
+
+    return CheckpointMarker()
+
+
+def resolve_precision(precision: str) -> str:
+    """``auto``: bf16 on a GPU that has it, else fp32."""
+    import torch
+
+    if precision != "auto":
+        return precision
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dict[str, Any]:
+    """The TrainingArguments every trainer shares, from the stage's options."""
+    import torch
+
+    precision = resolve_precision(o.precision)
+    return dict(
         output_dir=str(ctx.checkpoint_dir),
         num_train_epochs=o.epochs,
         max_steps=o.max_steps,
@@ -105,22 +127,32 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
         report_to="none",
         disable_tqdm=True,
         seed=ctx.seed,
-        max_length=o.max_length,
-        packing=packing,
-        packing_strategy=packing_strategy,
-        dataset_num_proc=None,
-        dataloader_pin_memory=cuda,
+        dataloader_pin_memory=torch.cuda.is_available(),
     )
-    # An adapter that brings its own optimizer (loraplus) leaves a builder on the model,
-    # ``model.ftcore_optimizer(model, training_args)``: the StageContext does not carry the adapter.
+
+
+def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, *, train: Any,
+                evaluation: Any | None, config: dict[str, Any] | None = None,
+                **trainer_kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """Train ``ctx.model`` with a transformers/TRL ``trainer_cls`` configured by ``config_cls``
+    (e.g. ``DPOTrainer``/``DPOConfig``): the shared arguments, callbacks, resume and metrics.
+    ``config`` adds or overrides config fields; ``trainer_kwargs`` go to the trainer.
+    Returns the trainer and the stage's final metrics."""
+    import torch
+    from transformers import PrinterCallback
+
+    args = config_cls(**{**training_arguments(ctx, o, evaluation), **(config or {})})
+    # An adapter that brings its own optimizer (loraplus) builds it: ``adapter.optimizer(model, args)``.
     # Passed as a factory, the Trainer builds it once the model is on its device.
-    build = getattr(ctx.model, "ftcore_optimizer", None)
-    own_optimizer = ((lambda: lambda model: build(model, config)), {}) if build is not None else None
+    build = getattr(ctx.adapter, "optimizer", None)
+    if build is not None:
+        trainer_kwargs.setdefault("optimizer_cls_and_kwargs", ((lambda: lambda model: build(model, args)), {}))
     counts = trainable_counts(ctx.model)
     ctx.reporter.log(ctx.stage, counts, step=0)
-    trainer = SFTTrainer(model=ctx.model, args=config, train_dataset=train, eval_dataset=evaluation,
-                         processing_class=ctx.tokenizer, callbacks=[progress_callback(ctx.reporter, ctx.stage)],
-                         optimizer_cls_and_kwargs=own_optimizer)
+    trainer = trainer_cls(model=ctx.model, args=args, train_dataset=train, eval_dataset=evaluation,
+                          processing_class=ctx.tokenizer,
+                          callbacks=[progress_callback(ctx.reporter, ctx.stage), checkpoint_marker()],
+                          **trainer_kwargs)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     # TRL casts the trainable weights of a quantized model to bf16 when it builds the trainer;
     # adapters train in fp32 (QLoRA keeps only the frozen base in low precision).
@@ -143,6 +175,17 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     if evals:
         metrics["eval_loss"] = evals[-1]
         metrics["eval_perplexity"] = math.exp(min(evals[-1], 50))
+    return trainer, metrics
+
+
+def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, packing: bool,
+            packing_strategy: str = "bfd") -> dict[str, Any]:
+    """Train ``ctx.model`` with TRL's SFTTrainer on pre-tokenized ``input_ids``/``labels``."""
+    from trl import SFTConfig, SFTTrainer
+
+    _, metrics = run_trainer(ctx, o, SFTTrainer, SFTConfig, train=train, evaluation=evaluation,
+                             config=dict(max_length=o.max_length, packing=packing,
+                                         packing_strategy=packing_strategy, dataset_num_proc=None))
     return metrics
 
 

@@ -56,9 +56,6 @@ class PeftAdapter(Component):
         key = f"{plan_seed}:adapter:{self.name}:{self.options.model_dump_json()}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**63
 
-    def attach(self, model: Any) -> None:
-        """Called on the peft model after apply and restore: for what must ride along with it."""
-
     def check(self, plan) -> list[str]:
         if self.full_precision_base and plan.quantizer.name != "none":
             return [f"adapter '{self.name}' initialises from the full-precision weights and rewrites them, which "
@@ -77,7 +74,6 @@ class PeftAdapter(Component):
             if ctx.run is not None:
                 torch.manual_seed(self.init_seed(ctx.run.plan.seed))
             model = get_peft_model(model, config)
-        self.attach(model)
         report_trainable(model, ctx.reporter, self.label())
         return model
 
@@ -88,7 +84,6 @@ class PeftAdapter(Component):
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(base, path, is_trainable=True)
-        self.attach(model)
         return model
 
     def merge(self, model):

@@ -46,11 +46,9 @@ class LoraPlusAdapter(LoraAdapter):
         loraplus_lr_ratio: float = Field(16.0, gt=0)
         loraplus_lr_embedding: float = Field(1e-6, ge=0)
 
-    def attach(self, model):
-        # The trainer finds the optimizer builder on the model (run_trl: `ftcore_optimizer`): the
-        # StageContext does not carry the adapter.
-        model.ftcore_optimizer = LoraPlusOptimizer(self.options.loraplus_lr_ratio,
-                                                   self.options.loraplus_lr_embedding)
+    def optimizer(self, model, args):
+        """The trainer builds its optimizer with this (``ctx.adapter.optimizer``) instead of its own."""
+        return LoraPlusOptimizer(self.options.loraplus_lr_ratio, self.options.loraplus_lr_embedding)(model, args)
 
 
 @ftcore.hookimpl

@@ -69,7 +69,6 @@ class PromptLearningAdapter(PeftAdapter):
         model = get_peft_model(base, self.fresh(config))
         # The vectors load into the prompt encoder (peft reports them as unexpected for the model itself).
         set_peft_model_state_dict(model, load_peft_weights(str(path)))
-        self.attach(model)
         return model
 
     def merge(self, model):

@@ -71,6 +71,8 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.eval_exact_match",
     "ftcore_plugins.export_adapter",
     "ftcore_plugins.export_merged",
+    "ftcore_plugins.reward_contains",
+    "ftcore_plugins.reward_regex",
 )
 
 

@@ -8,8 +8,10 @@ discovers them exactly as it discovers a pip-installed package. Nothing is patch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -352,12 +354,12 @@ def test_requires_names_the_missing_distribution_and_the_pip_command(tmp_path):
 
 # -- the example plugin package, really installed --------------------------------------------------
 
-def _example_install_state() -> dict | None:
-    code = ("import importlib.metadata as m, json\n"
-            "try:\n    d = m.distribution('ftcore-example-evaluator')\n"
+def _example_install_state(dist: str) -> dict | None:
+    code = ("import importlib.metadata as m, json, sys\n"
+            "try:\n    d = m.distribution(sys.argv[1])\n"
             "except m.PackageNotFoundError:\n    print('null')\n"
             "else:\n    print(json.dumps({'version': d.version, 'direct_url': d.read_text('direct_url.json')}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    out = subprocess.run([sys.executable, "-c", code, dist], capture_output=True, text=True, check=True, cwd="/")
     return json.loads(out.stdout)
 
 
@@ -367,23 +369,41 @@ def _pip(*args: str) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.fixture
-def example_installed(tmp_path):
-    """Install examples/ftcore-example-evaluator into this interpreter's environment (a real,
+@contextlib.contextmanager
+def installed(folder: Path, dist: str, tmp_path: Path):
+    """Install an example plugin package into this interpreter's environment (a real,
     non-editable pip install of a copy, so the build leaves nothing in the repository), and
     put back afterwards what was there before."""
-    before = _example_install_state()
+    before = _example_install_state(dist)
     source = tmp_path / "pkg"
-    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("runs", "build", "*.egg-info", "__pycache__"))
+    shutil.copytree(folder, source, ignore=shutil.ignore_patterns("runs", "build", "*.egg-info", "__pycache__"))
     _pip("install", "--force-reinstall", str(source))
-    yield
-    if before is None:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", EXAMPLE_DIST],
-                       capture_output=True, timeout=300)
-    else:
-        direct = json.loads(before["direct_url"] or "null") or {}
-        if direct.get("dir_info", {}).get("editable") and direct.get("url", "").startswith("file://"):
-            _pip("install", "-e", url2pathname(urlparse(direct["url"]).path))
+    try:
+        yield
+    finally:
+        if before is None:
+            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", dist],
+                           capture_output=True, timeout=300)
+        else:
+            direct = json.loads(before["direct_url"] or "null") or {}
+            if direct.get("dir_info", {}).get("editable") and direct.get("url", "").startswith("file://"):
+                _pip("install", "-e", url2pathname(urlparse(direct["url"]).path))
+
+
+@pytest.fixture
+def example_installed(tmp_path):
+    with installed(EXAMPLE, EXAMPLE_DIST, tmp_path):
+        yield
+
+
+def _example_plan(folder: Path, tmp_path: Path) -> Path:
+    """An example's shipped plan, moved into tmp_path so the run directory lands there."""
+    quickstart = (REPO / "examples" / "quickstart").as_posix()
+    text = (folder / "plan.toml").read_text()
+    assert '"../quickstart/' in text
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text.replace('"../quickstart/', f'"{quickstart}/'))
+    return plan
 
 
 @pytest.mark.slow
@@ -401,12 +421,7 @@ def test_example_evaluator_package_installs_lists_and_runs(tmp_path, example_ins
     assert found[0]["plugin"] == "example-evaluator"
     assert not [p for p in listing["problems"] if "example" in p]
 
-    # The shipped plan, moved into tmp_path so the run directory lands there.
-    quickstart = (REPO / "examples" / "quickstart").as_posix()
-    text = (EXAMPLE / "plan.toml").read_text()
-    assert '"../quickstart/' in text
-    plan = tmp_path / "plan.toml"
-    plan.write_text(text.replace('"../quickstart/', f'"{quickstart}/'))
+    plan = _example_plan(EXAMPLE, tmp_path)
 
     r = ftcore_cli("validate", str(plan), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -429,3 +444,38 @@ def test_example_evaluator_package_installs_lists_and_runs(tmp_path, example_ins
         assert sum(r["tokens"] for r in rows) / 32 == pytest.approx(result["mean_tokens"])
         assert sum(r["stopped"] for r in rows) / 32 == pytest.approx(result["stop_rate"])
         assert all(r["stopped"] or r["tokens"] == 16 for r in rows)  # an answer that did not stop hit the limit
+
+
+TRAINER_EXAMPLE = REPO / "examples" / "ftcore-example-trainer"
+
+
+@pytest.mark.slow
+def test_example_trainer_swaps_in_by_one_name_and_trains(tmp_path):
+    plan = _example_plan(TRAINER_EXAMPLE, tmp_path)
+    text = plan.read_text()
+    builtin = tmp_path / "builtin.toml"  # the same plan with the built-in trainer: one name differs
+    swapped, n = re.subn(r'(?m)^trainer = "plain_sft"', 'trainer = "sft"', text)
+    assert n == 1
+    builtin.write_text(swapped.replace('requires = ["ftcore-example-trainer>=0.1"]', ""))
+    assert ftcore_cli("validate", str(builtin), cwd=tmp_path).returncode == 0
+    r = ftcore_cli("validate", str(plan), cwd=tmp_path)
+    assert r.returncode == 2 and "pip install 'ftcore-example-trainer>=0.1'" in r.stderr  # not installed yet
+
+    with installed(TRAINER_EXAMPLE, "ftcore-example-trainer", tmp_path):
+        listing = plugins_json(tmp_path)
+        found = [c for c in listing["components"]["trainer"] if c["name"] == "plain_sft"]
+        assert [c["qualified"] for c in found] == ["ftcore-example-trainer:plain_sft"]
+        r = ftcore_cli("run", str(plan), cwd=tmp_path)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+    run_dir = tmp_path / "runs" / "example-trainer"
+    done = json.loads((run_dir / "stages" / "sft" / "COMPLETE.json").read_text())
+    assert done["trainer"] == "ftcore-example-trainer:plain_sft"
+    metrics = done["metrics"]
+    assert metrics["global_step"] == 40
+    assert metrics["train_loss"] < 0.6 * metrics["first_loss"], metrics
+    # The runner saved what it trained, and evaluation saw the trained model.
+    assert (run_dir / "stages" / "sft" / "output" / "model.safetensors").is_file()
+    before = json.loads((run_dir / "evaluations" / "before.json").read_text())["perplexity"]["perplexity"]
+    after = json.loads((run_dir / "evaluations" / "after.json").read_text())["perplexity"]["perplexity"]
+    assert after < before / 2, (before, after)

@@ -48,7 +48,7 @@ SMALL_HF = dict(hidden_size=640, num_hidden_layers=10, num_attention_heads=10, i
 class Config:
     name: str
     model: str
-    adapter: str  # "full" or "lora"
+    adapter: str  # "full", "lora" (r = 8), or the plan's adapter value as TOML
     checkpointing: bool = False
     quantizer: str = "none"
     trainer: str = "pretrain"
@@ -59,7 +59,7 @@ class Config:
 
     def plan(self) -> str:
         data = "text" if self.trainer == "pretrain" else "chat"
-        adapter = '"full"' if self.adapter == "full" else '{ use = "lora", r = 8 }'
+        adapter = {"full": '"full"', "lora": '{ use = "lora", r = 8 }'}.get(self.adapter, self.adapter)
         quantizer = f'[quantizer]\nuse = "{self.quantizer}"\n' if self.quantizer != "none" else ""
         return f"""[run]
 name = "{self.name}"
@@ -107,6 +107,24 @@ CONFIGS = [
 EXTRA = [Config("medium-full", "medium", "full", batch_size=8, seq_len=512),
          Config("small-lora-4x256", "small", "lora", batch_size=4, seq_len=256),
          Config("small-lora-4x256-ckpt", "small", "lora", checkpointing=True, batch_size=4, seq_len=256)]
+
+# One per remaining adapter method and quantizer, on the small model (2 x 128 tokens, sft on chat):
+# `--only` picks them; docs/methods.md shows their results.
+METHODS = [
+    Config("small-dora", "small", '{ use = "dora", r = 8 }', trainer="sft"),
+    Config("small-rslora", "small", '{ use = "rslora", r = 8 }', trainer="sft"),
+    Config("small-loraplus", "small", '{ use = "loraplus", r = 8 }', trainer="sft"),
+    Config("small-pissa", "small", '{ use = "pissa", r = 8 }', trainer="sft"),
+    Config("small-olora", "small", '{ use = "olora", r = 8 }', trainer="sft"),
+    Config("small-ia3", "small", '"ia3"', trainer="sft"),
+    Config("small-prompt", "small", '{ use = "prompt_tuning", num_virtual_tokens = 16 }', trainer="sft"),
+    Config("small-prefix", "small", '{ use = "prefix_tuning", num_virtual_tokens = 16 }', trainer="sft"),
+    Config("small-freeze", "small", '{ use = "freeze", trainable_layers = 2 }', trainer="sft"),
+    Config("small-full-sft", "small", "full", trainer="sft"),
+    Config("small-lora-sft", "small", "lora", trainer="sft"),
+    Config("small-qlora-fp4", "small-hf", "lora", quantizer="bnb-fp4", trainer="sft"),
+    Config("small-lora-int8", "small-hf", "lora", quantizer="bnb-int8", trainer="sft"),
+]
 
 
 # -- the project ------------------------------------------------------------------------------
@@ -230,7 +248,8 @@ def table(results: list[Result]) -> str:
              "-" * 106]
     for r in results:
         c, m = r.config, r.stage["mib"]
-        method = f"{c.adapter}{'+ckpt' if r.stage['gradient_checkpointing'] else ''}" + (
+        name = c.adapter.split('"')[1] if '"' in c.adapter else c.adapter
+        method = f"{name}{'+ckpt' if r.stage['gradient_checkpointing'] else ''}" + (
             f" {c.quantizer}" if c.quantizer != "none" else "") + f" {c.trainer}"
         lines.append(f"{c.name:18} {method:22} {m['weights']:8.0f} {m['gradients']:7.0f} {m['optimizer']:7.0f} "
                      f"{m['activations']:7.0f} {m['overhead']:7.0f} {r.estimate_mib:9.0f} {r.measured_mib:9.0f} "
@@ -246,7 +265,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--keep", help="project folder to use and keep (default: a temporary one)")
     args = parser.parse_args()
-    configs = [c for c in CONFIGS + EXTRA if not args.only or c.name in args.only]
+    configs = [c for c in CONFIGS + EXTRA + METHODS if not args.only or c.name in args.only]
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="ftcore-memory-"))
     write_project(folder, hf_model=any(c.model == "small-hf" for c in configs))
     start = time.perf_counter()

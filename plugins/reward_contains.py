@@ -11,7 +11,7 @@ from ftcore.component import Component, Options
 
 
 class Contains(Component):
-    """1.0 for a completion that contains one of ``words`` (``all = true``: every one), else 0.0."""
+    """1.0 for a completion that contains one of the words (or all of them), else 0.0."""
 
     name = "contains"
 

@@ -11,8 +11,7 @@ from ftcore.component import Component, Options
 
 
 class Regex(Component):
-    """``match`` (1.0) or ``miss`` (0.0) by whether the completion matches ``pattern`` (searched, or
-    ``full = true``: the whole completion, stripped)."""
+    """1.0 (match) or 0.0 (miss) by whether the completion matches a regular expression."""
 
     name = "regex"
 

@@ -73,6 +73,10 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.export_merged",
     "ftcore_plugins.reward_contains",
     "ftcore_plugins.reward_regex",
+    "ftcore_plugins.trainer_dpo",
+    "ftcore_plugins.trainer_kto",
+    "ftcore_plugins.trainer_orpo",
+    "ftcore_plugins.trainer_reward",
 )
 
 

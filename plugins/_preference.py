@@ -1,0 +1,366 @@
+"""What the preference trainers (``dpo``, ``kto``, ``orpo``, ``reward``) share.
+
+* the data check: which row kinds a trainer takes, at ``ftcore validate`` (from the data's
+  ``format``, or the first row of a JSON Lines file) and again on the loaded rows;
+* rendering: each row's prompt messages rendered by the plan's chat template with the generation
+  prompt, and each answer as the text that continues it (the template's end of turn included),
+  in the plain-text prompt/chosen/rejected (or prompt/completion/label) form TRL takes;
+* the token ids TRL will build from that text, for the length report (truncated and dropped
+  rows) and for measuring the objective on held-out rows;
+* the reference policy and the log-probabilities the metrics are made of.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from ftcore.errors import FtcoreError
+
+PAIRS = "preference pairs (prompt, chosen, rejected)"
+UNPAIRED = "unpaired preference rows (prompt, completion, label)"
+# A data source's `format` and the kind of rows it gives (prompt_completion can give either kind).
+FORMAT_KIND = {"preference": "pairs", "sharegpt_preference": "pairs", "implicit_preference": "pairs",
+               "kto": "unpaired", "alpaca": "chat", "sharegpt": "chat", "messages": "chat", "openai": "chat",
+               "text": "text"}
+
+
+def kind_of_columns(columns: Any) -> str | None:
+    columns = set(columns)
+    if {"prompt", "chosen", "rejected"} <= columns:
+        return "pairs"
+    if {"prompt", "completion", "label"} <= columns:
+        return "unpaired"
+    if "messages" in columns:
+        return "chat"
+    if "text" in columns:
+        return "text"
+    return None
+
+
+def wrong_kind(trainer: str, accepts: tuple[str, ...], what: str) -> str:
+    wanted = " or ".join(PAIRS if k == "pairs" else UNPAIRED for k in accepts)
+    hint = "; chat rows train with trainer = \"sft\"" if "chat" in what or "messages" in what else ""
+    return f"trainer '{trainer}' needs {wanted}; {what}{hint}"
+
+
+def check_data(component: Any, plan: Any, accepts: tuple[str, ...]) -> list[str]:
+    """``check(plan)`` problems for the stages that use this trainer, for the data kinds we can
+    tell without loading the data: an explicit ``format``, or the first row of a JSON Lines file."""
+    problems = []
+    for stage in plan.stages:
+        if stage.trainer.options is not component.options:
+            continue
+        for key, ref in (("data", stage.data), ("eval_data", stage.eval_data)):
+            name = (ref or "").partition(":")[0]
+            source = plan.data.get(name)
+            kind = _declared_kind(source) if source is not None else None
+            if kind is not None and kind not in accepts:
+                problems.append(f"{key}: " + wrong_kind(component.name, accepts, f"[data.{name}] holds {kind} rows"))
+    return problems
+
+
+def _declared_kind(source: Any) -> str | None:
+    from . import _formats
+
+    options = source.options
+    fmt = getattr(options, "format", None)
+    if fmt in FORMAT_KIND:
+        return FORMAT_KIND[fmt]
+    if fmt != "auto":
+        return None
+    try:
+        paths = [p for p in source.create().inputs() if str(p).endswith(".jsonl")]
+    except Exception:
+        return None
+    if not paths:
+        return None
+    try:
+        with open(paths[0], encoding="utf-8") as fh:
+            line = next((line for line in fh if line.strip()), None)
+        row = json.loads(line) if line else None
+    except (OSError, ValueError):
+        return None
+    kind = _formats.kind_of(row, "auto", columns=getattr(options, "columns", None) or None)
+    return {"preference": "pairs", "unpaired_preference": "unpaired"}.get(kind, kind)
+
+
+def require_data(ctx: Any, trainer: str, accepts: tuple[str, ...]) -> str:
+    """The kind of the stage's rows ("pairs" or "unpaired"); a one-line error when it is not one
+    this trainer takes. Train and eval data must be of a kind the trainer takes (not the same one)."""
+    kinds = []
+    for label, data in (("data", ctx.train_data), ("eval_data", ctx.eval_data)):
+        if data is None:
+            continue
+        kind = kind_of_columns(data.column_names)
+        if kind not in accepts:
+            raise FtcoreError(f"stage {ctx.stage}: " + wrong_kind(
+                trainer, accepts, f"its {label} has the columns {', '.join(sorted(data.column_names))}"))
+        kinds.append(kind)
+    return kinds[0]
+
+
+# -- rendering --------------------------------------------------------------------------------
+
+
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether tokenizing text (with special tokens) puts a BOS token in front of it."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+
+
+def render(ctx: Any, data: Any, *, strip_bos: bool) -> Any:
+    """Rows as text: the prompt rendered with the generation prompt, each answer as its continuation
+    (up to and including the template's end of turn). ``strip_bos``: drop a BOS the template wrote,
+    for trainers that tokenize with the tokenizer's special tokens, which add it again."""
+    from ._chat import template_messages
+
+    tok, template = ctx.tokenizer, ctx.template
+    bos = tok.bos_token if strip_bos and adds_bos(tok) else None
+    answers = [c for c in ("chosen", "rejected", "completion") if c in data.column_names]
+
+    def one(row: dict) -> dict:
+        prompt = template_messages(row["prompt"])
+        text = template.render(prompt, tok, add_generation_prompt=True)
+        out = {}
+        for column in answers:
+            full = template.render(prompt + template_messages(row[column]), tok, add_generation_prompt=False)
+            if not full.startswith(text):
+                raise FtcoreError(f"stage {ctx.stage}: template '{template.name}' renders the prompt differently "
+                                  "when an answer follows it, so the answer cannot be cut from the prompt")
+            out[column] = full[len(text):].rstrip("\n ")  # ends with the end-of-turn token, like the SFT labels
+        if bos and text.startswith(bos):
+            text = text[len(bos):]
+        return {"prompt": text, **out}
+
+    keep = [c for c in ("label",) if c in data.column_names]
+    return data.map(one, remove_columns=[c for c in data.column_names if c not in keep],
+                    desc=f"render {ctx.stage}")
+
+
+def unpair(data: Any, seed: int) -> Any:
+    """Pairs as unpaired rows for KTO: each chosen answer desirable, each rejected one undesirable,
+    shuffled (KTO reads its data in order, and estimates its KL term from neighbouring rows)."""
+    import datasets
+
+    rows = {"prompt": [], "completion": [], "label": []}
+    for prompt, chosen, rejected in zip(data["prompt"], data["chosen"], data["rejected"]):
+        rows["prompt"] += [prompt, prompt]
+        rows["completion"] += [chosen, rejected]
+        rows["label"] += [True, False]
+    return datasets.Dataset.from_dict(rows).shuffle(seed=seed)
+
+
+# -- token ids ----------------------------------------------------------------------------------
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def token_ids(tok: Any, prompt: str, answers: list[str], *, style: str) -> tuple[list[int], list[list[int]]]:
+    """The prompt's ids and each answer's ids as the trainer builds them from the text. The answer
+    starts where the ids of the prompt and of prompt+answer diverge.
+
+    ``trl`` (DPO, KTO): tokenized with the tokenizer's special tokens, EOS text appended to answers
+    that lack it. ``orpo``: no special tokens, then BOS prepended and EOS appended where missing.
+    ``plain`` (reward): the rendered text only, as SFT trains on it."""
+    special = style == "trl"
+    if special:
+        eos = tok.eos_token or ""
+        answers = [a if a.endswith(eos) else a + eos for a in answers]
+    prompt_ids = tok(prompt, add_special_tokens=special)["input_ids"]
+    ids = [tok(prompt + a, add_special_tokens=special)["input_ids"] for a in answers]
+    n = min(_common_prefix(prompt_ids, full) for full in ids)
+    prompt_ids, outs = prompt_ids[:n], [full[n:] for full in ids]
+    if style == "orpo":
+        if tok.bos_token_id is not None and prompt_ids[:1] != [tok.bos_token_id]:
+            prompt_ids = [tok.bos_token_id, *prompt_ids]
+        if tok.eos_token_id is not None:
+            outs = [o if o[-1:] == [tok.eos_token_id] else [*o, tok.eos_token_id] for o in outs]
+    return prompt_ids, outs
+
+
+def tokenize(tok: Any, rows: Any, *, style: str) -> list[tuple[list[int], list[list[int]]]]:
+    answers = [c for c in ("chosen", "rejected", "completion") if c in rows.column_names]
+    return [token_ids(tok, row["prompt"], [row[c] for c in answers], style=style) for row in rows]
+
+
+def length_report(ctx: Any, texts: dict[str, Any], max_length: int, *, style: str,
+                  drops_whole_row: bool = False) -> dict[str, list]:
+    """Tokenize the rendered splits, report per split how many rows are kept, truncated (an answer
+    cut at ``max_length``) and dropped (the prompt alone fills ``max_length``; with
+    ``drops_whole_row``, any sequence over it, as TRL's reward trainer does), with length
+    percentiles; return the ids of each split."""
+    out, shown = {}, []
+    for label, rows in texts.items():
+        if rows is None:
+            continue
+        ids = tokenize(ctx.tokenizer, rows, style=style)
+        longest = [len(p) + max(len(a) for a in answers) for p, answers in ids]
+        too_long = [n > max_length for n in longest]
+        dropped = sum(too_long) if drops_whole_row else sum(len(p) >= max_length for p, _ in ids)
+        ordered = sorted(longest) or [0]
+        stats = {"rows": len(ids), "kept": len(ids) - dropped, "truncated": 0 if drops_whole_row else
+                 sum(too_long) - dropped, "dropped": dropped, "max_length": max_length,
+                 "length_p50": ordered[len(ordered) // 2], "length_p90": ordered[(9 * len(ordered)) // 10],
+                 "length_max": ordered[-1]}
+        ctx.reporter.data_report(f"{ctx.stage}/{label}", stats)
+        ctx.reporter.log(ctx.stage, {f"data/{label}_{k}": v for k, v in stats.items()})
+        shown.append([label, stats["rows"], stats["kept"], stats["truncated"], stats["dropped"],
+                      f"{stats['length_p50']}/{stats['length_p90']}/{stats['length_max']}"])
+        if not stats["kept"]:
+            raise FtcoreError(f"stage {ctx.stage}: every {label} row is longer than max_length={max_length}; "
+                              "raise max_length")
+        out[label] = ids
+    ctx.reporter.table(f"data for stage {ctx.stage} (tokens; data_report.json has more)",
+                       ["split", "rows", "kept", "trunc.", "dropped", "length p50/p90/max"], shown)
+    return out
+
+
+# -- the reference policy and log-probabilities ---------------------------------------------------
+
+
+def unpatch(model: Any) -> Any:
+    """Remove the per-instance ``forward`` TRL installs (its fused LM head): a copy of the model
+    would otherwise keep calling the original's forward."""
+    for m in (model, getattr(model, "get_base_model", lambda: None)()):
+        if m is not None:
+            vars(m).pop("forward", None)
+    return model
+
+
+def reference_model(ctx: Any) -> Any:
+    """The reference policy for TRL: ``None`` for a peft model (TRL then copies the live adapter into
+    a frozen second adapter, ``ref``: the policy as it was when this stage started, whether the
+    adapter is fresh or continues an earlier stage's), else a frozen copy of the model."""
+    from peft import PeftModel
+
+    if isinstance(ctx.model, PeftModel):
+        return None
+    ref = unpatch(copy.deepcopy(ctx.model))
+    ref.requires_grad_(False)
+    return ref.eval()
+
+
+def drop_reference(model: Any) -> Any:
+    """After training: remove TRL's ``ref`` adapter (the runner saves every adapter the model has)
+    and its patched forward."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) and "ref" in model.peft_config:
+        model.delete_adapter("ref")
+    return unpatch(model)
+
+
+def answer_logps(model: Any, ids: list[tuple[list[int], list[list[int]]]], max_length: int, pad_id: int,
+                 batch_size: int) -> Any:
+    """Summed log-probability and token count of every answer given its prompt, as TRL scores it
+    (prompt+answer cut to ``max_length``, rows whose prompt fills it left out). Returns a tensor
+    (rows, answers, 2)."""
+    import torch
+
+    rows = [(p, answers) for p, answers in ids if len(p) < max_length]
+    seqs = [((p + a)[:max_length], len(p)) for p, answers in rows for a in answers]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    sums, counts = [], []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(seqs), batch_size):
+                chunk = seqs[start:start + batch_size]
+                width = max(len(s) for s, _ in chunk)
+                input_ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+                attention = torch.zeros_like(input_ids)
+                answer = torch.zeros_like(input_ids, dtype=torch.bool)
+                for i, (s, n_prompt) in enumerate(chunk):
+                    input_ids[i, :len(s)] = torch.tensor(s)
+                    attention[i, :len(s)] = 1
+                    answer[i, n_prompt:len(s)] = True
+                input_ids, attention, answer = input_ids.to(device), attention.to(device), answer.to(device)
+                logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
+                logits = logits[:, -width:]  # prompt-learning adapters prepend virtual tokens
+                logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+                token = logps.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+                mask = answer[:, 1:]
+                sums.append((token * mask).sum(-1).cpu())
+                counts.append(mask.sum(-1).cpu())
+    finally:
+        model.train(was_training)
+    n_answers = len(rows[0][1]) if rows else 1
+    return torch.stack([torch.cat(sums), torch.cat(counts).float()], -1).view(len(rows), n_answers, 2)
+
+
+def pair_metrics(prefix: str, chosen: Any, rejected: Any) -> dict[str, float]:
+    """Share of pairs whose chosen answer scores higher, and the mean score difference."""
+    return {f"{prefix}accuracy": (chosen > rejected).float().mean().item(),
+            f"{prefix}margin": (chosen - rejected).mean().item()}
+
+
+def labelled(data: Any) -> list[bool] | None:
+    return list(data["label"]) if data is not None and "label" in data.column_names else None
+
+
+# -- training against a reference (dpo, kto) ----------------------------------------------------
+
+
+def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, config_cls: type,
+                            config: dict[str, Any], accepts: tuple[str, ...],
+                            check_reference: Any = None) -> dict[str, Any]:
+    """Render, report lengths, measure the held-out rows under the policy as the stage starts (which
+    is the reference), train with TRL against that reference, measure again. ``check_reference``
+    (trainer, eval ids, start log-probs) -> metrics, to compare TRL's reference with the start."""
+    from ._training import run_trainer
+
+    kind = require_data(ctx, name, accepts)
+    train = render(ctx, ctx.train_data, strip_bos=True)
+    evaluation = render(ctx, ctx.eval_data, strip_bos=True) if ctx.eval_data is not None else None
+    ids = length_report(ctx, {"train": train, "eval": evaluation}, o.max_length, style="trl")
+    if name == "kto" and kind == "pairs":
+        train = unpair(train, ctx.seed)
+    pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
+    start = answer_logps(ctx.model, ids["eval"], o.max_length, pad, o.batch_size) if "eval" in ids else None
+    trainer, metrics = run_trainer(ctx, o, trainer_cls, config_cls, train=train, evaluation=None,
+                                   config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
+                                           "gradient_checkpointing": o.gradient_checkpointing, **config},
+                                   ref_model=reference_model(ctx))
+    if start is not None:
+        if check_reference is not None:
+            metrics.update(check_reference(trainer, ids["eval"], start))
+        end = answer_logps(ctx.model, ids["eval"], o.max_length, pad, o.batch_size)
+        labels = labelled(evaluation)
+        if labels is not None:  # answer_logps leaves out the rows whose prompt fills max_length
+            labels = [label for label, (p, _) in zip(labels, ids["eval"]) if len(p) < o.max_length]
+        metrics.update(held_out(start, end, o.beta, labels))
+        ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},
+                         step=metrics.get("global_step"))
+    ctx.model = drop_reference(ctx.model)
+    return metrics
+
+
+def held_out(start: Any, end: Any, beta: float, labels: list[bool] | None) -> dict[str, float]:
+    """The objective on held-out rows. Pairs: the policy's own preference (log-probability of the
+    chosen answer minus the rejected one's) before and after, and the implicit reward
+    beta * (log p - log p_ref) after (before training the policy is its reference: every reward 0).
+    Unpaired rows: mean reward of desirable answers minus that of undesirable ones."""
+    reward = beta * (end[..., 0] - start[..., 0])
+    if labels is None:
+        out = {"eval_pairs": int(start.shape[0])}
+        out.update(pair_metrics("eval_logp_", start[:, 0, 0], start[:, 1, 0]))
+        out = {f"{k}_before" if k != "eval_pairs" else k: v for k, v in out.items()}
+        out.update(pair_metrics("eval_logp_", end[:, 0, 0], end[:, 1, 0]))
+        out.update(pair_metrics("eval_reward_", reward[:, 0], reward[:, 1]))
+        return out
+    import torch
+
+    good = torch.tensor(labels, dtype=torch.bool)
+    desirable, undesirable = reward[good, 0].mean().item(), reward[~good, 0].mean().item()
+    return {"eval_rows": int(reward.shape[0]), "eval_reward_desirable": desirable,
+            "eval_reward_undesirable": undesirable, "eval_reward_margin": desirable - undesirable}

@@ -1,0 +1,72 @@
+"""What the tracker plugins share: where they write, which values are numbers, the plan as
+flat parameters, and the check that their library is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+PIP_EXTRA = "pip install 'ftcore[track]'"
+
+
+def missing(modules: tuple[str, ...], pip: str) -> list[str]:
+    """``check(plan)`` problems for libraries that are not installed: found without importing them,
+    so validating a plan stays fast."""
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not absent:
+        return []
+    return [f"needs {', '.join(absent)}, which is not installed: pip install {pip} (or {PIP_EXTRA})"]
+
+
+def folder(run: Any, chosen: Path | None, tool: str) -> Path:
+    path = chosen or run.run_dir / "tracking" / tool
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def numbers(metrics: dict[str, Any]) -> dict[str, float]:
+    """The numeric values; the reporter writes NaN and infinities as strings, so turn them back."""
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)):
+            out[key] = float(value)
+        elif value in ("nan", "inf", "-inf"):
+            out[key] = float(value)
+    return out
+
+
+def finite(value: float) -> bool:
+    return not (math.isnan(value) or math.isinf(value))
+
+
+def flat_plan(run: Any) -> dict[str, str]:
+    """The redacted plan as ``section.key`` -> text, lists of tables by index (``stage.0.name``)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, inner in enumerate(value):
+                walk(f"{prefix}.{i}", inner)
+        else:
+            out[prefix] = value if isinstance(value, str) else json.dumps(value, default=str)
+
+    walk("", run.plan.redacted())
+    return out
+
+
+def status(error: BaseException | None) -> str:
+    """``complete``, ``interrupted`` (Ctrl-C, SIGTERM) or ``failed``: the words the run manifest uses."""
+    if error is None:
+        return "complete"
+    return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+
+
+def error_line(error: BaseException) -> str:
+    first = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first}"[:500]

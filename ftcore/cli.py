@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import traceback
 from typing import Any
@@ -107,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("(run with --debug for the traceback)", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted; continue with: ftcore run PLAN --resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(getattr(exc, "message", None) or "interrupted; continue with: ftcore run PLAN --resume",
+              file=sys.stderr)
+        return getattr(exc, "exit_code", 130)
     except BrokenPipeError:  # `ftcore plugins --json | head`
         sys.stderr.close()
         return 0
@@ -246,9 +248,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     pm, registry = _plugins(args)
     plan = load_plan(args.plan, registry)
     console = Console(stderr=False)
-    summary = Runner(plan, pm, console, resume=args.resume, force=args.force).run()
+    # SIGTERM outside a training stage ends the run like Ctrl-C (manifest "interrupted", exit 143); a
+    # training stage replaces this handler with its own, which first saves a checkpoint.
+    previous = signal.signal(signal.SIGTERM, _terminated(args.plan))
+    try:
+        summary = Runner(plan, pm, console, resume=args.resume, force=args.force).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_summary(console, summary)
     return 0
+
+
+def _terminated(plan: str):
+    from .errors import Interrupted
+
+    def handler(signum, frame):
+        raise Interrupted(f"terminated (SIGTERM); resume with: ftcore run {plan} --resume", 128 + signum)
+
+    return handler
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:

@@ -20,6 +20,15 @@ class PlanError(FtcoreError):
         super().__init__("\n".join(self.problems))
 
 
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on a signal, cleanly (a stage saved a checkpoint). ``message`` says where and how
+    to resume; the CLI prints it and exits with ``exit_code`` (128 + the signal number)."""
+
+    def __init__(self, message: str, exit_code: int = 130):
+        super().__init__(message)
+        self.message, self.exit_code = message, exit_code
+
+
 class ComponentError(Exception):
     """A component raised while running. Not the user's input; exits 1."""
 

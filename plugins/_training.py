@@ -6,25 +6,76 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import Field
+
 from ftcore.component import Options
 
 
 class TrainOptions(Options):
-    epochs: float = 1.0
+    epochs: float = Field(1.0, gt=0)
     max_steps: int = -1  # overrides epochs when > 0
-    learning_rate: float = 2e-4
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    max_length: int = 512
-    lr_scheduler: str = "linear"
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
+    learning_rate: float = Field(2e-4, ge=0)
+    batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)  # the loss is normalised by the tokens of all micro-batches
+    max_length: int = Field(512, ge=1)
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)  # share of the steps spent warming up
+    warmup_steps: int = Field(0, ge=0)  # or a number of steps
+    weight_decay: float = Field(0.0, ge=0)
     optimizer: str = "adamw_torch"
+    max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU that has it, else fp32
-    logging_steps: int = 10
-    save_steps: int = 50  # checkpoint every N steps, for --resume
-    save_total_limit: int = 2
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
+    logging_steps: int = Field(10, ge=1)
+    save_steps: int = Field(50, ge=1)  # checkpoint every N steps, for --resume
+    save_total_limit: int | None = Field(2, ge=1)  # marked checkpoints kept (the best one is kept on top); None: all
+    eval_steps: int | None = Field(None, ge=1)  # evaluate eval_data every N steps; default: each epoch
+    early_stopping_patience: int | None = Field(None, ge=1)  # stop after N evaluations without improvement
+    early_stopping_threshold: float = Field(0.0, ge=0)  # an eval_loss drop smaller than this is no improvement
+    load_best_at_end: bool | None = None  # end with the best checkpoint by eval_loss; default: with early stopping
+    guard_nan: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss or gradient norm
+    guard_spike_factor: float | None = Field(3.0, gt=1)  # warn when a step's loss exceeds this x the recent mean
+    guard_spike_window: int = Field(20, ge=2)  # steps in that mean
+    guard_max_grad_norm: float | None = Field(None, gt=0)  # warn when the gradient norm (before clipping) exceeds it
+
+
+def training_problems(component: Any, plan: Any) -> list[str]:
+    """``check(plan)`` problems of the shared training options, for the stages that use ``component``."""
+    o = component.options
+    stages = [s for s in plan.stages if s.trainer.options is o]
+    problems = []
+    if o.warmup_ratio and o.warmup_steps:
+        problems.append("warmup_steps: set warmup_ratio or warmup_steps, not both")
+    if o.precision == "fp16" and not _gpu_visible():
+        problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
+    for stage in stages:
+        if stage.eval_data is not None:
+            continue
+        for key in ("eval_steps", "early_stopping_patience"):
+            if getattr(o, key) is not None:
+                problems.append(f"{key}: stage '{stage.name}' has no eval_data to evaluate; "
+                                "set eval_data = \"<data name>\" on the stage")
+        if o.load_best_at_end:
+            problems.append(f"load_best_at_end: stage '{stage.name}' has no eval_data, so no checkpoint is "
+                            "best by eval_loss; set eval_data on the stage")
+    return problems
+
+
+class TrainChecks:
+    """Mixin for trainers built on ``TrainOptions``: ``ftcore validate`` checks the shared options."""
+
+    def check(self, plan: Any) -> list[str]:
+        return training_problems(self, plan)
+
+
+def _gpu_visible() -> bool:
+    """Whether this machine shows a CUDA/ROCm device, without importing torch (validate stays light)."""
+    import glob
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
 
 
 def trainable_counts(model: Any) -> dict[str, Any]:
@@ -65,6 +116,9 @@ def progress_callback(reporter: Any, stage: str):
                 self._bar.update(note=f"loss {logs['loss']:.4f}")
 
         def on_train_end(self, args, state, control, **kw):
+            self.close()
+
+        def close(self):
             if self._cm is not None:
                 self._cm.__exit__(None, None, None)
                 self._cm = None
@@ -72,38 +126,37 @@ def progress_callback(reporter: Any, stage: str):
     return RichProgress()
 
 
-def checkpoint_marker():
-    """Writes ``COMPLETE.json`` into each checkpoint once the Trainer has saved all of it: resume
-    (the runner's ``_last_checkpoint``) only picks marked checkpoints, so a killed save is skipped."""
-    from transformers import TrainerCallback
+def checkpoint_marker(save_total_limit: int | None = None, save_each_evaluation: bool = False):
+    """Marks each checkpoint complete (``COMPLETE.json``) once the Trainer has saved all of it, then
+    rotates old ones: resume only picks marked checkpoints, so a killed save is skipped."""
+    from ._callbacks import checkpoint_keeper
 
-    from ftcore import rundir
-
-    class CheckpointMarker(TrainerCallback):
-        def on_save(self, args, state, control, **kw):
-            if state.is_world_process_zero:
-                folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-                if folder.is_dir():
-                    rundir.write_json(folder / rundir.COMPLETE, {"global_step": state.global_step,
-                                                                 "finished_at": rundir.now()})
-
-    return CheckpointMarker()
+    return checkpoint_keeper(save_total_limit, save_each_evaluation)
 
 
 def resolve_precision(precision: str) -> str:
-    """``auto``: bf16 on a GPU that has it, else fp32."""
+    """``auto``: bf16 on a GPU that has it, fp16 on a GPU without, else fp32."""
     import torch
 
     if precision != "auto":
         return precision
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+    if not torch.cuda.is_available():
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
 
 
 def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dict[str, Any]:
     """The TrainingArguments every trainer shares, from the stage's options."""
     import torch
 
+    from ftcore.errors import FtcoreError
+
     precision = resolve_precision(o.precision)
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise FtcoreError(f"stage {ctx.stage}: precision = \"fp16\" needs a CUDA GPU; use \"auto\", \"bf16\" or \"fp32\"")
+    scheduler = "constant_with_warmup" if o.lr_scheduler == "constant" and (o.warmup_ratio or o.warmup_steps) \
+        else o.lr_scheduler
+    evaluating = evaluation is not None
     return dict(
         output_dir=str(ctx.checkpoint_dir),
         num_train_epochs=o.epochs,
@@ -112,18 +165,23 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         per_device_eval_batch_size=o.batch_size,
         gradient_accumulation_steps=o.gradient_accumulation_steps,
         learning_rate=o.learning_rate,
-        lr_scheduler_type=o.lr_scheduler,
-        warmup_steps=o.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        lr_scheduler_type=scheduler,
+        warmup_steps=o.warmup_steps or o.warmup_ratio,  # a float below 1 is a ratio of the total steps
         weight_decay=o.weight_decay,
         optim=o.optimizer,
+        max_grad_norm=o.max_grad_norm,
         activation_checkpointing=o.gradient_checkpointing,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         logging_steps=o.logging_steps,
         save_strategy="steps",
         save_steps=o.save_steps,
-        save_total_limit=o.save_total_limit,
-        eval_strategy="epoch" if evaluation is not None else "no",
+        save_total_limit=None,  # rotated by our checkpoint keeper, only after the new checkpoint is marked
+        eval_strategy=("steps" if o.eval_steps else "epoch") if evaluating else "no",
+        eval_steps=o.eval_steps,
+        # The best checkpoint is tracked by eval loss; the keeper saves at each evaluation so it is on disk.
+        metric_for_best_model="eval_loss" if evaluating else None,
+        greater_is_better=False if evaluating else None,
         report_to="none",
         disable_tqdm=True,
         seed=ctx.seed,
@@ -136,10 +194,21 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
                 **trainer_kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """Train ``ctx.model`` with a transformers/TRL ``trainer_cls`` configured by ``config_cls``
     (e.g. ``DPOTrainer``/``DPOConfig``): the shared arguments, callbacks, resume and metrics.
-    ``config`` adds or overrides config fields; ``trainer_kwargs`` go to the trainer.
+    ``config`` adds or overrides config fields; ``trainer_kwargs`` go to the trainer (``callbacks``
+    are added to ours). Every trainer built here gets: checkpoints marked and rotated, the best by
+    eval loss kept, early stopping, the stability guard, and SIGINT/SIGTERM handling (a checkpoint
+    at the end of the current step, then :class:`ftcore.errors.Interrupted`).
     Returns the trainer and the stage's final metrics."""
     import torch
-    from transformers import PrinterCallback
+    from transformers import EarlyStoppingCallback, PrinterCallback
+
+    from ftcore.runner import _last_checkpoint
+
+    from ._callbacks import GracefulStop, StabilityGuard, attach_guard, stop_on_signal
+
+    class EarlyStopping(EarlyStoppingCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            pass  # its warning about load_best_model_at_end does not apply: we load the best ourselves
 
     args = config_cls(**{**training_arguments(ctx, o, evaluation), **(config or {})})
     # An adapter that brings its own optimizer (loraplus) builds it: ``adapter.optimizer(model, args)``.
@@ -149,11 +218,21 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         trainer_kwargs.setdefault("optimizer_cls_and_kwargs", ((lambda: lambda model: build(model, args)), {}))
     counts = trainable_counts(ctx.model)
     ctx.reporter.log(ctx.stage, counts, step=0)
+    evaluating = evaluation is not None
+    progress = progress_callback(ctx.reporter, ctx.stage)
+    stop = GracefulStop()
+    callbacks = [progress, checkpoint_marker(o.save_total_limit, save_each_evaluation=evaluating),
+                 stop_on_signal(stop), *trainer_kwargs.pop("callbacks", [])]
+    early = EarlyStopping(o.early_stopping_patience, o.early_stopping_threshold) \
+        if evaluating and o.early_stopping_patience else None
+    if early is not None:
+        callbacks.append(early)
     trainer = trainer_cls(model=ctx.model, args=args, train_dataset=train, eval_dataset=evaluation,
-                          processing_class=ctx.tokenizer,
-                          callbacks=[progress_callback(ctx.reporter, ctx.stage), checkpoint_marker()],
-                          **trainer_kwargs)
+                          processing_class=ctx.tokenizer, callbacks=callbacks, **trainer_kwargs)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    guard = StabilityGuard(ctx.reporter, ctx.stage, nan=o.guard_nan, spike_factor=o.guard_spike_factor,
+                           window=o.guard_spike_window, max_grad_norm=o.guard_max_grad_norm)
+    trainer.add_callback(attach_guard(trainer, guard))
     # TRL casts the trainable weights of a quantized model to bf16 when it builds the trainer;
     # adapters train in fp32 (QLoRA keeps only the frozen base in low precision).
     if getattr(trainer.model, "is_quantized", False) or getattr(trainer.model, "is_loaded_in_4bit", False) \
@@ -161,20 +240,43 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         for p in trainer.model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
-    result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+    try:
+        with stop:
+            result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+    finally:
+        progress.close()  # also when the guard or an error ends training
+    if stop.requested:
+        raise stop.interrupted(ctx.stage, trainer.state.global_step, _last_checkpoint(ctx.checkpoint_dir),
+                               getattr(getattr(ctx.run, "plan", None), "path", None))
+    best = trainer.state.best_model_checkpoint
+    load_best = o.load_best_at_end if o.load_best_at_end is not None else bool(o.early_stopping_patience)
+    if evaluating and load_best and best:
+        trainer._load_best_model()  # the Trainer's own loader: full weights or adapter, as it saved them
     ctx.model = trainer.model
-    metrics: dict[str, Any] = {"train_loss": result.training_loss, "global_step": result.global_step,
-                               "train_seconds": result.metrics.get("train_runtime"), **counts}
+    steps = result.global_step - trainer._initial_global_step  # this process's steps (after a resume: since it)
+    trained = steps - guard.skipped
+    metrics: dict[str, Any] = {
+        # The Trainer averages over every step; skipped steps added no loss, so average over trained ones.
+        "train_loss": result.training_loss * steps / trained if trained else float("nan"),
+        "global_step": result.global_step, "train_seconds": result.metrics.get("train_runtime"),
+        **counts, **guard.counts()}
     # Real (non-padding) tokens, as counted by TRL from the attention masks it trained on.
     tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
     if tokens:
         metrics["train_tokens"] = int(tokens[-1])
         if metrics["train_seconds"]:
             metrics["tokens_per_second"] = tokens[-1] / metrics["train_seconds"]
-    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     if evals:
-        metrics["eval_loss"] = evals[-1]
-        metrics["eval_perplexity"] = math.exp(min(evals[-1], 50))
+        metrics["eval_step"], metrics["eval_loss"] = evals[-1]  # the last evaluation
+        metrics["eval_perplexity"] = math.exp(min(evals[-1][1], 50))
+        if best and trainer.state.best_metric is not None:
+            metrics["best_step"] = int(Path(best).name.rpartition("-")[2])
+            metrics["best_eval_loss"] = trainer.state.best_metric
+            metrics["best_checkpoint"] = best
+        metrics["final_model"] = "best" if load_best and best else "last"
+        if early is not None:
+            metrics["stopped_early"] = early.early_stopping_patience_counter >= early.early_stopping_patience
     return trainer, metrics
 
 

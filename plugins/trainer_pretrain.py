@@ -7,10 +7,10 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ._estimate import TrainerMemory
-from ._training import TrainOptions, run_trl, tokenize_splits
+from ._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 
 
-class PretrainTrainer(TrainerMemory, Component):
+class PretrainTrainer(TrainChecks, TrainerMemory, Component):
     """Causal-LM pre-training on text: every token is trained on, EOS between documents."""
 
     name = "pretrain"

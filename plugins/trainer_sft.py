@@ -9,10 +9,10 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ._estimate import TrainerMemory
-from ._training import TrainOptions, run_trl, tokenize_splits
+from ._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 
 
-class SFTTrainer(TrainerMemory, Component):
+class SFTTrainer(TrainChecks, TrainerMemory, Component):
     """Supervised fine-tuning (TRL SFTTrainer); loss on every assistant turn only."""
 
     name = "sft"

@@ -1,0 +1,269 @@
+"""Training machinery shared by every trainer: checkpoint marking and rotation, stopping on
+SIGINT/SIGTERM at a step boundary, and the stability guard (NaN/inf, loss spikes, gradient norm).
+
+The plain functions and ``GracefulStop`` work without a transformers Trainer, so a trainer with
+its own loop (PPO) uses the same pieces; the ``TrainerCallback`` factories plug them into one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from ftcore import rundir
+from ftcore.errors import FtcoreError, Interrupted
+
+CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+NAN_ADVICE = ("try a lower learning_rate, precision = \"bf16\" instead of \"fp16\", or check the data for "
+              "broken samples; guard_nan = \"skip\" skips such steps instead")
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def mark_checkpoint(folder: Path, step: int) -> None:
+    """Mark a checkpoint folder complete, after everything else in it is written. Resume
+    (``ftcore.runner._last_checkpoint``) only picks marked folders, so a save killed halfway is skipped."""
+    rundir.write_json(Path(folder) / rundir.COMPLETE, {"global_step": step, "finished_at": rundir.now()})
+
+
+def checkpoints(folder: Path) -> list[tuple[int, Path, bool]]:
+    """``(step, path, marked)`` for each ``checkpoint-N`` folder, oldest first."""
+    found = []
+    for child in Path(folder).glob("checkpoint-*"):
+        m = CHECKPOINT.fullmatch(child.name)
+        if m and child.is_dir():
+            found.append((int(m.group(1)), child, (child / rundir.COMPLETE).exists()))
+    return sorted(found)
+
+
+def rotate_checkpoints(folder: Path, keep: int | None, protect: Path | str | None = None) -> list[Path]:
+    """Delete all but the ``keep`` newest marked checkpoints, never the newest marked one nor
+    ``protect`` (the best), and unmarked leftovers of killed saves older than the newest marked one.
+    Called only after a new checkpoint is marked, so a resumable one always survives. Returns what
+    was deleted."""
+    found = checkpoints(folder)
+    marked = [path for _, path, done in found if done]
+    if not marked:
+        return []
+    newest_step = max(step for step, _, done in found if done)
+    keep_paths = set(marked[-max(keep or 0, 1):]) if keep is not None else set(marked)
+    if protect:
+        keep_paths.add(Path(protect).resolve())
+    keep_paths = {p.resolve() for p in keep_paths}
+    deleted = []
+    for step, path, done in found:
+        if path.resolve() in keep_paths or (not done and step >= newest_step):
+            continue
+        # Unmark first: a kill during the deletion leaves a folder resume ignores.
+        (path / rundir.COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def checkpoint_keeper(save_total_limit: int | None, save_each_evaluation: bool = False):
+    """A callback that marks each checkpoint the Trainer saved, then rotates the folder (keeping the
+    best by the Trainer's ``best_model_checkpoint``). ``save_each_evaluation`` saves a checkpoint at
+    every evaluation, so the best one by eval loss is always on disk."""
+    from transformers import TrainerCallback
+
+    class CheckpointKeeper(TrainerCallback):
+        def on_evaluate(self, args, state, control, **kw):
+            if save_each_evaluation:
+                control.should_save = True
+
+        def on_save(self, args, state, control, **kw):
+            if not state.is_world_process_zero:
+                return
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                mark_checkpoint(folder, state.global_step)
+                rotate_checkpoints(Path(args.output_dir), save_total_limit, state.best_model_checkpoint)
+
+    return CheckpointKeeper()
+
+
+# -- signals -------------------------------------------------------------------------------
+class GracefulStop:
+    """While active, SIGINT and SIGTERM only ask for a stop (``requested``); the training loop stops
+    at the end of its current step, saves a checkpoint and raises :meth:`interrupted`. A second
+    signal kills the process at once. Use as a context manager around the training loop:
+
+        with GracefulStop() as stop:
+            for step in ...:
+                ...
+                if stop.requested: save(); raise stop.interrupted(stage, step, folder, plan_path)
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # the second signal: no more waiting
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def interrupted(self, stage: str, step: int, checkpoint: Path | None, plan_path: Any = None) -> Interrupted:
+        name = signal.Signals(self.signum).name
+        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint was saved"
+        return Interrupted(f"stage {stage}: {name}: stopped at step {step}; {where}; "
+                           f"resume with: ftcore run {plan_path or '<plan>'} --resume", 128 + self.signum)
+
+
+def stop_on_signal(stop: GracefulStop):
+    """A callback that ends training at the end of the step in which a signal arrived, saving a
+    checkpoint there (the keeper marks it)."""
+    from transformers import TrainerCallback
+
+    class StopOnSignal(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if _any_rank(stop.requested):  # every rank stops at the same step
+                control.should_save = True
+                control.should_training_stop = True
+
+    return StopOnSignal()
+
+
+def _any_rank(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    import torch
+
+    value = torch.tensor([float(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+# -- stability guard -----------------------------------------------------------------------
+class StabilityGuard:
+    """Watches each optimizer step's loss and gradient norm (before clipping).
+
+    ``check(step, loss, grad_norm)`` returns True when the step must not update the weights: a NaN or
+    inf (``nan = "skip"``); with ``nan = "stop"`` it raises a one-line FtcoreError instead. A loss
+    above ``spike_factor`` x the mean of the last ``window`` steps, and a gradient norm above
+    ``max_grad_norm``, are warned about with step and value and recorded as metrics."""
+
+    def __init__(self, reporter: Any, stage: str, *, nan: str = "stop", spike_factor: float | None = None,
+                 window: int = 20, max_grad_norm: float | None = None):
+        self.reporter, self.stage, self.nan = reporter, stage, nan
+        self.spike_factor, self.max_grad_norm = spike_factor, max_grad_norm
+        self.recent: deque[float] = deque(maxlen=window)
+        self.skipped = self.spikes = self.high_grad_norms = 0
+
+    def check(self, step: int, loss: float, grad_norm: float | None) -> bool:
+        bad = next(((what, v) for what, v in (("loss", loss), ("gradient norm", grad_norm))
+                    if v is not None and not math.isfinite(v)), None)
+        if bad is not None:
+            what, value = bad
+            if self.nan == "stop":
+                raise FtcoreError(f"stage {self.stage}: the {what} is {value} at step {step}; training stopped "
+                                  f"(guard_nan = \"stop\"): {NAN_ADVICE}")
+            self.skipped += 1
+            self.reporter.warn(f"stage {self.stage}: the {what} is {value} at step {step}; skipped the step "
+                               f"(no weight changed; {self.skipped} skipped so far)")
+            self.reporter.log(self.stage, {f"guard/skipped_{what.replace(' ', '_')}": value,
+                                           "guard/skipped_steps": self.skipped}, step=step)
+            return True
+        if self.max_grad_norm is not None and grad_norm is not None and grad_norm > self.max_grad_norm:
+            self.high_grad_norms += 1
+            self.reporter.warn(f"stage {self.stage}: gradient norm {grad_norm:.4g} at step {step} is above "
+                               f"guard_max_grad_norm = {self.max_grad_norm:g}")
+            self.reporter.log(self.stage, {"guard/grad_norm_high": grad_norm}, step=step)
+        full = len(self.recent) >= min(5, self.recent.maxlen)  # a mean of a step or two says little
+        mean = sum(self.recent) / len(self.recent) if self.recent else 0.0
+        if self.spike_factor is not None and full and mean > 0 and loss > self.spike_factor * mean:
+            self.spikes += 1
+            self.reporter.warn(f"stage {self.stage}: loss spike at step {step}: {loss:.4g} is "
+                               f"{loss / mean:.1f}x the mean {mean:.4g} of the last {len(self.recent)} steps")
+            self.reporter.log(self.stage, {"guard/loss_spike": loss, "guard/loss_recent_mean": mean}, step=step)
+        else:  # a spike stays out of the mean, so the next one is measured against normal steps
+            self.recent.append(loss)
+        return False
+
+    def counts(self) -> dict[str, int]:
+        return {"guard_skipped_steps": self.skipped, "guard_loss_spikes": self.spikes,
+                "guard_high_grad_norms": self.high_grad_norms}
+
+
+def attach_guard(trainer: Any, guard: StabilityGuard):
+    """Feed ``guard`` from a transformers Trainer and return the callback that acts on it.
+
+    The Trainer hands callbacks neither the loss nor the gradient norm, so this wraps two of its
+    methods on the instance: ``training_step`` (each micro-batch's loss, already scaled so that
+    their sum is the step's loss) and ``_get_grad_norm`` (the norm before clipping). The losses are
+    held back and added to the Trainer's running loss only for steps that update the weights, so a
+    skipped step is left out of the logged loss instead of making it NaN. A skipped step drops
+    every gradient before ``optimizer.step()``: optimizers leave parameters without a gradient
+    untouched (no moment update, no weight decay)."""
+    import torch
+    from transformers import TrainerCallback
+
+    held: list[Any] = []
+    norm: list[Any] = [None]
+    training_step, get_grad_norm = trainer.training_step, trainer._get_grad_norm
+
+    def guarded_training_step(*args, **kwargs):
+        loss = training_step(*args, **kwargs)
+        held.append(loss)
+        return torch.zeros_like(loss)
+
+    def recorded_grad_norm(*args, **kwargs):
+        norm[0] = get_grad_norm(*args, **kwargs)
+        return norm[0]
+
+    trainer.training_step, trainer._get_grad_norm = guarded_training_step, recorded_grad_norm
+
+    class Guard(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            loss = torch.stack(held).sum()
+            held.clear()
+            grad_norm = float(norm[0]) if norm[0] is not None else None
+            if guard.check(state.global_step + 1, _mean_over_ranks(loss), grad_norm):
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+                # The logged loss is a mean over the steps since the last log: count this one out.
+                trainer._globalstep_last_logged += 1
+            else:
+                trainer._tr_loss += loss.to(trainer._tr_loss.device)
+
+    return Guard()
+
+
+def _mean_over_ranks(loss: Any) -> float:
+    """The step's loss averaged over ranks, as the Trainer logs it; a NaN on any rank shows."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        loss /= dist.get_world_size()
+    return loss.item()

@@ -73,6 +73,8 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.export_merged",
     "ftcore_plugins.reward_contains",
     "ftcore_plugins.reward_regex",
+    "ftcore_plugins.trainer_grpo",
+    "ftcore_plugins.trainer_rloo",
     "ftcore_plugins.trainer_ppo",
     "ftcore_plugins.tracker_tensorboard",
     "ftcore_plugins.tracker_mlflow",

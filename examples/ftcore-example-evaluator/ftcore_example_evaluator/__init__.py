@@ -1,4 +1,5 @@
-"""An example third-party ftcore plugin: the ``answer_length`` evaluator.
+"""An example third-party ftcore plugin: the ``answer_length`` evaluator (and, in
+:mod:`.target_length`, the ``target_length`` reward function).
 
 It greedy-generates an answer to every held-out chat prompt and reports how long the
 answers are and how many of them end on their own. After fine-tuning a chat model you
@@ -142,3 +143,7 @@ def stop_token_ids(tokenizer, template, model) -> list[int]:
 @ftcore.hookimpl
 def register_evaluators(register):
     register(AnswerLength)
+
+
+# The entry point names this module: a hook defined elsewhere is registered by importing it here.
+from .target_length import TargetLength, register_reward_functions  # noqa: E402,F401

@@ -11,7 +11,6 @@ from ftcore.types import OutputPath
 
 from . import _tracking
 
-_EXIT_CODE = {"complete": 0, "failed": 1, "interrupted": 130}  # 130: the shell's code for Ctrl-C
 
 
 class WandB(Component):
@@ -82,7 +81,9 @@ class WandB(Component):
         self._run.summary["ftcore/status"] = status
         if error is not None:
             self._run.summary["ftcore/error"] = _tracking.error_line(error)
-        self._run.finish(exit_code=_EXIT_CODE[status])
+        # The CLI's exit code: 2 for a plan/data error, 1 for others, 128 + the signal when stopped.
+        code = 0 if error is None else getattr(error, "exit_code", 130 if status == "interrupted" else 1)
+        self._run.finish(exit_code=code)
         self._run = None
 
 

@@ -121,14 +121,8 @@ def test_wandb_offline_run_reads_back_with_wandbs_own_reader(tracked_run):
     run, records = tracked_run
     [folder] = (run / "tracking" / "wandb" / "wandb").glob("offline-run-*")
 
-    def inspect(*flags):  # `wandb leet inspect` reads the .wandb transaction log (wandb-core)
-        out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", *flags, str(folder)],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        return out.stdout
-
     history = {}
-    for line in inspect().splitlines():
+    for line in _wandb_inspect(folder).splitlines():
         item = json.loads(line).get("history", {}).get("item")
         for key, value in (item or {}).items():
             stage = key.split("/", 1)[0]
@@ -136,13 +130,21 @@ def test_wandb_offline_run_reads_back_with_wandbs_own_reader(tracked_run):
                 history[(key, int(item[f"{stage}/step"]))] = float(value)
     assert history == _stepped(records)
 
-    summary = json.loads(inspect("--summary"))
+    summary = json.loads(_wandb_inspect(folder, "--summary"))
     assert summary["state"] == "finished" and summary["exit_code"] == 0
     assert summary["name"] == "tiny" and summary["project"] == "ftcore"
     assert summary["config"]["model"]["hidden_size"] == 32
     assert summary["summary"]["ftcore/status"] == "complete"
     after = next(r for r in records if r["stage"] == "evaluate:after")
     assert summary["summary"]["evaluate:after/perplexity/perplexity"] == after["perplexity/perplexity"]
+
+
+def _wandb_inspect(folder: Path, *flags: str) -> str:
+    """W&B's own reader of a run's .wandb transaction log (`wandb leet inspect`, in wandb-core)."""
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", *flags, str(folder)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 class Explode(Component):
@@ -196,14 +198,15 @@ def _runner(tmp_path: Path, body: str):
     return Runner(plan, pm, Console(file=open(tmp_path / "out.txt", "w")))
 
 
-@pytest.mark.parametrize("interrupt, status, words", [(False, "FAILED", "failed: ComponentError: trainer 'explode'"),
-                                                       (True, "KILLED", "interrupted: KeyboardInterrupt")])
-def test_a_run_that_fails_or_is_interrupted_ends_failed_or_killed(tmp_path, interrupt, status, words):
+@pytest.mark.parametrize("interrupt, status, words, exit_code",
+                         [(False, "FAILED", "failed: ComponentError: trainer 'explode'", 1),
+                          (True, "KILLED", "interrupted: KeyboardInterrupt", 130)])
+def test_a_run_that_fails_or_is_interrupted_ends_failed_or_killed(tmp_path, interrupt, status, words, exit_code):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     runner = _runner(tmp_path, f"""
-track = ["mlflow", "tensorboard"]
+track = ["mlflow", "tensorboard", "wandb"]
 
 [[stage]]
 name = "boom"
@@ -222,6 +225,9 @@ interrupt = {str(interrupt).lower()}
     events = EventAccumulator(str(tracking / "tensorboard"))
     events.Reload()
     assert events.Tensors("status/text_summary")[0].tensor_proto.string_val[0].decode().startswith(words)
+    [folder] = (tracking / "wandb" / "wandb").glob("offline-run-*")
+    summary = json.loads(_wandb_inspect(folder, "--summary"))
+    assert summary["exit_code"] == exit_code and summary["summary"]["ftcore/status"] == words.split(":")[0]
 
 
 def test_a_tracker_with_a_misspelled_hook_is_a_one_line_error(tmp_path):

@@ -198,6 +198,7 @@ def _runner(tmp_path: Path, body: str):
     return Runner(plan, pm, Console(file=open(tmp_path / "out.txt", "w")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("interrupt, status, words, exit_code",
                          [(False, "FAILED", "failed: ComponentError: trainer 'explode'", 1),
                           (True, "KILLED", "interrupted: KeyboardInterrupt", 130)])

@@ -392,19 +392,26 @@ class _Checker:
         """``track = ["tensorboard", "mlflow"]``, or ``[track.mlflow]`` tables with options."""
         if value is None:
             return []
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        listed = isinstance(value, list)
+        if listed and all(isinstance(v, str) for v in value):
             value = {v: {} for v in value}
         if not isinstance(value, dict):
             self.problem("track", f"must be a list of tracker names or [track.<name>] tables, got {_type(value)}")
             return []
         out = []
-        for name, section in value.items():
+        for i, (name, section) in enumerate(value.items()):
+            key = f"track[{i}]" if listed else f"track.{name}"
             if not isinstance(section, dict):
-                self.problem(f"track.{name}", f"must be a table ([track.{name}]), got {_type(section)}")
+                self.problem(key, f"must be a table ([track.{name}]), got {_type(section)}")
                 continue
-            sel = self.component("tracker", f"track.{name}", {**section, "use": name})
-            if sel:
-                out.append(sel)
+            try:
+                reg = self.registry.resolve("tracker", name)
+            except LookupError as exc:
+                self.problem(key, str(exc))
+                continue
+            options = self.options(reg, key, section, ())
+            if options is not None:
+                out.append(Selected(key, reg, options))
         return out
 
     def references(self, sel: Selected, key: str, earlier: list[str], rewards: set[str]) -> None:

@@ -62,6 +62,7 @@ class Runner:
         self.stage_metrics: dict[str, dict[str, Any]] = {}
         self.exports: dict[str, str] = {}
         self.memory: dict[str, dict[str, Any]] = {}
+        self._trackers: list[str] = []  # plugin names of the trackers registered for this run
 
     # -- paths ---------------------------------------------------------------------------
     def stage_dir(self, stage: Stage) -> Path:
@@ -82,11 +83,11 @@ class Runner:
         if note:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
-        trackers = self._start_trackers()
-        self._notify("ftcore_run_start", run=self.info)
-        memory.reset_peak()
-        self._measure("baseline")
         try:
+            self._start_trackers()
+            self._notify("ftcore_run_start", run=self.info)
+            memory.reset_peak()
+            self._measure("baseline")
             self._steps()
         except BaseException as exc:
             if self.info.is_main:
@@ -94,7 +95,7 @@ class Runner:
                 rundir.write_json(self.run_dir / rundir.MANIFEST,
                                   {**manifest, "status": status, "ended_at": rundir.now(), "error": str(exc)[:500]})
             self._notify("ftcore_run_end", run=self.info, error=exc)
-            self._stop_trackers(trackers)
+            self._stop_trackers()
             self._close_log(handler)
             raise
         summary = self._summary()
@@ -105,7 +106,7 @@ class Runner:
                                                                "ended_at": rundir.now(),
                                                                "hardware": rundir.hardware()})
         self._notify("ftcore_run_end", run=self.info, error=None)
-        self._stop_trackers(trackers)
+        self._stop_trackers()
         self._close_log(handler)
         return summary
 
@@ -277,18 +278,16 @@ class Runner:
                 self.reporter.info(f"exported [bold]{export.name}[/] to {artifact or path}")
 
     # -- helpers ---------------------------------------------------------------------------
-    def _start_trackers(self) -> list[str]:
+    def _start_trackers(self) -> None:
         """Register the plan's trackers as plugins for this run: they see it through the lifecycle hooks."""
-        names = []
         for sel in self.plan.trackers:
             with calling(sel, "__init__"):
                 tracker = sel.create()
-            names.append(self.pm.add_run_plugin(tracker, sel.reg))
-        return names
+            self._trackers.append(self.pm.add_run_plugin(tracker, sel.reg))
 
-    def _stop_trackers(self, names: list[str]) -> None:
-        for name in names:
-            self.pm.unregister(name=name)
+    def _stop_trackers(self) -> None:
+        while self._trackers:
+            self.pm.unregister(name=self._trackers.pop())
 
     def _adapter_ctx(self) -> AdapterContext:
         return AdapterContext(self.info, self.reporter, self.quantizer)

@@ -423,7 +423,7 @@ def test_references_to_stages_and_rewards_are_checked(tmp_path):
     assert f"{path}: stage[1].after: no earlier stage is named 'more'; earlier stages: head" in problems
     assert f"{path}: stage[1].reward: undefined reward 'shrot'; did you mean 'short'? " \
            f"Available: short (define it as [reward.shrot])" in problems
-    assert any(p.startswith(f"{path}: track.lst.use: unknown tracker 'lst'; did you mean 'list'?") for p in problems)
+    assert any(p.startswith(f"{path}: track.lst: unknown tracker 'lst'; did you mean 'list'?") for p in problems)
     assert len(problems) == 3, problems
 
 

@@ -269,4 +269,4 @@ def test_validate_names_an_unknown_tracker_and_suggests_the_right_one(tmp_path):
     result = run_cli("validate", str(plan))
     assert result.returncode == 2
     [line] = (result.stdout + result.stderr).splitlines()
-    assert "track.tensorbord" in line and "unknown tracker 'tensorbord'; did you mean 'tensorboard'?" in line
+    assert ": track[0]: " in line and "unknown tracker 'tensorbord'; did you mean 'tensorboard'?" in line

@@ -131,7 +131,12 @@ class GracefulStop:
 
     def interrupted(self, stage: str, step: int, checkpoint: Path | None, plan_path: Any = None) -> Interrupted:
         name = signal.Signals(self.signum).name
-        where = f"checkpoint saved to {checkpoint}" if checkpoint else "no checkpoint was saved"
+        if checkpoint is None:
+            where = "no checkpoint was saved"
+        elif Path(checkpoint).name == f"checkpoint-{step}":
+            where = f"checkpoint saved to {checkpoint}"
+        else:  # the signal came after the last step: resume continues from the last checkpoint
+            where = f"the last checkpoint is {checkpoint}"
         return Interrupted(f"stage {stage}: {name}: stopped at step {step}; {where}; "
                            f"resume with: ftcore run {plan_path or '<plan>'} --resume", 128 + self.signum)
 

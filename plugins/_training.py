@@ -1,4 +1,4 @@
-"""What the SFT and pre-training trainers share: options, the TRL run, progress and metrics."""
+"""What every trainer shares: options, the transformers/TRL run, checkpoints, progress and metrics."""
 
 from __future__ import annotations
 

@@ -25,13 +25,14 @@ class TrainOptions(Options):
     optimizer: str = "adamw_torch"
     max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"  # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
+    # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     logging_steps: int = Field(10, ge=1)
     save_steps: int = Field(50, ge=1)  # checkpoint every N steps, for --resume
     save_total_limit: int | None = Field(2, ge=1)  # marked checkpoints kept (the best one is kept on top); None: all
     eval_steps: int | None = Field(None, ge=1)  # evaluate eval_data every N steps; default: each epoch
     early_stopping_patience: int | None = Field(None, ge=1)  # stop after N evaluations without improvement
-    early_stopping_threshold: float = Field(0.0, ge=0)  # an eval_loss drop smaller than this is no improvement
+    early_stopping_threshold: float = Field(0.0, ge=0)  # an eval_loss drop no larger than this is no improvement
     load_best_at_end: bool | None = None  # end with the best checkpoint by eval_loss; default: with early stopping
     guard_nan: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss or gradient norm
     guard_spike_factor: float | None = Field(3.0, gt=1)  # warn when a step's loss exceeds this x the recent mean
@@ -153,7 +154,8 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
 
     precision = resolve_precision(o.precision)
     if precision == "fp16" and not torch.cuda.is_available():
-        raise FtcoreError(f"stage {ctx.stage}: precision = \"fp16\" needs a CUDA GPU; use \"auto\", \"bf16\" or \"fp32\"")
+        raise FtcoreError(f"stage {ctx.stage}: precision = \"fp16\" needs a CUDA GPU; "
+                          "use \"auto\", \"bf16\" or \"fp32\"")
     scheduler = "constant_with_warmup" if o.lr_scheduler == "constant" and (o.warmup_ratio or o.warmup_steps) \
         else o.lr_scheduler
     evaluating = evaluation is not None

@@ -5,7 +5,6 @@ SIGINT/SIGTERM handling and the stability guard."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import random

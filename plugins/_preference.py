@@ -327,7 +327,8 @@ def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, conf
         train = unpair(train, ctx.seed)
     pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
     start = answer_logps(ctx.model, ids["eval"], o.max_length, pad, o.batch_size) if "eval" in ids else None
-    trainer, metrics = run_trainer(ctx, o, trainer_cls, config_cls, train=train, evaluation=None,
+    trainer, metrics = run_trainer(ctx, o, trainer_cls, config_cls, train=train,
+                                   evaluation=evaluation if periodic_evaluation(o) else None,
                                    config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
                                            "gradient_checkpointing": o.gradient_checkpointing, **config},
                                    ref_model=reference_model(ctx))
@@ -341,8 +342,17 @@ def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, conf
         metrics.update(held_out(start, end, o.beta, labels))
         ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},
                          step=metrics.get("global_step"))
+    metrics.pop("eval_perplexity", None)  # exp of a preference loss is no perplexity
     ctx.model = drop_reference(ctx.model)
     return metrics
+
+
+def periodic_evaluation(o: Any) -> bool:
+    """Whether TRL should also evaluate during training (for eval_steps, early stopping, best
+    checkpoint). The before/after measurement is ours either way: TRL averages its evaluation's
+    reward metrics per batch, which weighs a short last batch like a full one."""
+    return bool(getattr(o, "eval_steps", None) or getattr(o, "early_stopping_patience", None)
+                or getattr(o, "load_best_at_end", None))
 
 
 def held_out(start: Any, end: Any, beta: float, labels: list[bool] | None) -> dict[str, float]:

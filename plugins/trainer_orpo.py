@@ -12,7 +12,8 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
-from ._preference import answer_logps, check_data, length_report, pair_metrics, render, require_data
+from ._preference import (answer_logps, check_data, length_report, pair_metrics, periodic_evaluation, render,
+                          require_data)
 from ._training import TrainOptions
 
 
@@ -56,10 +57,12 @@ class ORPOTrainer(Component):
             return {f"{k}{suffix}": v for k, v in found.items()} | {"eval_pairs": int(reward.shape[0])}
 
         before = measure("_before") if "eval" in ids else {}
-        _, metrics = run_trainer(ctx, o, TrlORPOTrainer, ORPOConfig, train=train, evaluation=None,
+        _, metrics = run_trainer(ctx, o, TrlORPOTrainer, ORPOConfig, train=train,
+                                 evaluation=evaluation if periodic_evaluation(o) else None,
                                  config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
                                          "gradient_checkpointing": o.gradient_checkpointing,
                                          "remove_unused_columns": False})  # its collator needs every column
+        metrics.pop("eval_perplexity", None)  # exp of the ORPO loss is no perplexity
         if before:
             metrics.update(before, **measure(""))
             ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},

@@ -15,7 +15,7 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
-from ._preference import check_data, length_report, pair_metrics, render, require_data
+from ._preference import check_data, length_report, pair_metrics, periodic_evaluation, render, require_data
 from ._training import TrainOptions
 
 HEAD_NAMES = ("score", "classifier")  # the head of transformers' *ForSequenceClassification models
@@ -55,11 +55,14 @@ class RewardTrainer(Component):
         import datasets
 
         _, metrics = run_trainer(sctx, o, TrlRewardTrainer, RewardConfig,
-                                 train=datasets.Dataset.from_list(pairs["train"]), evaluation=None,
+                                 train=datasets.Dataset.from_list(pairs["train"]),
+                                 evaluation=datasets.Dataset.from_list(pairs["eval"])
+                                 if periodic_evaluation(o) and pairs.get("eval") else None,
                                  config={"max_length": o.max_length, "dataset_num_proc": None,
                                          "center_rewards_coefficient": o.center_rewards_coefficient,
                                          "gradient_checkpointing": o.gradient_checkpointing})
         model = sctx.model
+        metrics.pop("eval_perplexity", None)  # exp of a pairwise loss is no perplexity
         if before is not None:
             after = scores(model, pairs["eval"], o.batch_size)
             metrics["eval_pairs"] = len(pairs["eval"])

@@ -115,7 +115,7 @@ def prompt_dataset(ctx: Any, trainer: str, rows: Any, label: str, o: OnlineOptio
                           + ("; plain text rows have no prompt to answer" if "text" in columns else ""))
     tok, template = ctx.tokenizer, ctx.template
     # TRL tokenizes text prompts with the tokenizer's special tokens: leave out a BOS it adds itself.
-    bos = tok.bos_token if tok.bos_token_id is not None and tok("x")["input_ids"][:1] == [tok.bos_token_id] else None
+    bos = tok.bos_token if adds_bos(tok) else None
     texts, empty = [], 0
     for row in rows:
         prompt = row["messages"] if "messages" in columns else row["prompt"]
@@ -147,6 +147,11 @@ def prompt_dataset(ctx: Any, trainer: str, rows: Any, label: str, o: OnlineOptio
     return datasets.Dataset.from_dict({"prompt": kept})
 
 
+def adds_bos(tokenizer: Any) -> bool:
+    """Whether tokenizing text with special tokens puts a BOS in front of it."""
+    return tokenizer.bos_token_id is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
 # -- rewards -------------------------------------------------------------------------------------
 
 class PlanReward:
@@ -170,11 +175,14 @@ class RewardModel:
 
     def __init__(self, stage: str, path: Any, ctx: Any):
         from accelerate import PartialState
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         if not (path / "config.json").is_file():
             raise FtcoreError(f"stage {ctx.stage}: reward_model = {stage!r}: {path} holds no saved model; "
                               f"stage {stage!r} must save a sequence-classification model (trainer 'reward')")
+        if AutoConfig.from_pretrained(path).num_labels != 1:
+            raise FtcoreError(f"stage {ctx.stage}: reward_model = {stage!r} has more than one output; a reward "
+                              "model gives one score (num_labels = 1)")
         self.__name__ = stage
         self.device = PartialState().device  # where the Trainer puts the policy
         self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
@@ -186,7 +194,10 @@ class RewardModel:
         marker = "\x00"
         whole = ctx.template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
                                     ctx.tokenizer, add_generation_prompt=False)
-        self.turn_end = whole[whole.index(marker) + 1:]
+        # As the reward trainer renders answers: up to and including the end-of-turn token.
+        self.turn_end = whole[whole.index(marker) + 1:].rstrip("\n ")
+        tok = ctx.tokenizer  # the policy saw each prompt with the BOS its tokenizer adds; so does the scorer
+        self.bos = tok.bos_token if adds_bos(tok) else ""
         eos = getattr(ctx.model.generation_config, "eos_token_id", None)
         self.stops = set([eos] if isinstance(eos, int) else (eos or [])) | {ctx.tokenizer.eos_token_id}
 
@@ -194,7 +205,7 @@ class RewardModel:
                  **_: Any) -> list[float]:
         import torch
 
-        texts = [p + c + (self.turn_end if ids and ids[-1] in self.stops else "")
+        texts = [self.bos + p + c + (self.turn_end if ids and ids[-1] in self.stops else "")
                  for p, c, ids in zip(prompts, completions, completion_ids)]
         batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
                                add_special_tokens=False).to(self.device)

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from conftest import chat_rows, run_cli
+from conftest import chat_rows, run_cli, write_jsonl
 
 SFT_THEN = """
 [reward.cat]
@@ -91,6 +91,49 @@ def test_rloo_with_a_third_party_reward_function_and_weights(tiny_project):
     assert metrics["reward_end"] >= metrics["reward_start"] + 0.2, metrics
 
 
+@pytest.mark.slow
+def test_grpo_scored_by_a_reward_stage_of_the_same_plan(tiny_project):
+    # Preference pairs: the reward stage learns to prefer the animal; GRPO takes its prompts from the
+    # same pairs (prompt messages) and is scored by that model alone.
+    pairs = [{"prompt": row["messages"][:1], "chosen": row["messages"][1:],
+              "rejected": [{"role": "assistant", "content": "the tree"}]} for row in chat_rows(48, seed=3)]
+    write_jsonl(tiny_project.dir / "pairs.jsonl", pairs)
+    plan = tiny_project("""
+[data.pairs]
+use = "jsonl"
+path = "pairs.jsonl"
+
+[[stage]]
+name = "rm"
+trainer = "reward"
+data = "pairs"
+max_steps = 8
+batch_size = 8
+max_length = 64
+learning_rate = 3e-3
+
+[[stage]]
+name = "rl"
+trainer = "grpo"
+data = "pairs"
+reward_model = "rm"
+max_steps = 3
+batch_size = 8
+num_generations = 4
+max_completion_length = 6
+max_length = 64
+save_steps = 100
+""")
+    result = run_cli("run", str(plan))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tiny_project.dir / "runs" / "tiny"
+    steps = [r for r in rl_records(run) if "reward/rm" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["reward/mean"] == r["reward/rm"] for r in steps)
+    assert any(r["reward/rm_std"] > 0 for r in steps)  # the model tells completions apart
+    assert json.loads((run / "stages" / "rl" / "COMPLETE.json").read_text())["metrics"]["generation_batches"] == 3
+
+
 def test_reward_model_stage_scores_completions_and_peft_reference_is_removed(tmp_path):
     """A reward model saved by an earlier stage (built here with save_pretrained) scores GRPO's samples;
     with a LoRA policy and beta > 0, TRL's frozen reference adapter is not left in the model."""
@@ -139,8 +182,8 @@ def test_reward_model_stage_scores_completions_and_peft_reference_is_removed(tmp
     together = scorer(prompts, completions, completion_ids=ids)
     alone = [scorer([p], [c], completion_ids=[i])[0] for p, c, i in zip(prompts, completions, ids)]
     assert together == pytest.approx(alone, abs=1e-5)
-    assert scorer.turn_end == "<|im_end|>\n"
-    direct = scorer.model(**scorer.tokenizer(prompts[0] + "the cat<|im_end|>\n", return_tensors="pt",
+    assert scorer.turn_end == "<|im_end|>"
+    direct = scorer.model(**scorer.tokenizer(prompts[0] + "the cat<|im_end|>", return_tensors="pt",
                                              add_special_tokens=False)).logits[0, 0].item()
     assert together[0] == pytest.approx(direct, abs=1e-5)
 

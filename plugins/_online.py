@@ -11,7 +11,7 @@ from pydantic import Field
 from ftcore.errors import FtcoreError
 from ftcore.types import RewardRef, StageRef
 
-from ._training import TrainOptions, run_trainer
+from ._training import TrainOptions, run_trainer, training_problems
 
 START_END_SHARE = 4  # reward_start / reward_end average the first / last quarter of the generation batches
 
@@ -30,13 +30,19 @@ class OnlineOptions(TrainOptions):
     epsilon_high: float | None = Field(None, gt=0)  # upper clip (default: epsilon)
     mask_truncated_completions: bool = False  # leave completions cut at max_completion_length out of the loss
     learning_rate: float = 1e-6  # TRL's default for online RL
-    logging_steps: int = 1  # the mean reward of every step
+    logging_steps: int = Field(1, ge=1)  # the mean reward of every step
+    # The policy loss hovers around 0 with either sign: no spikes to watch for unless asked.
+    guard_spike_factor: float | None = Field(None, gt=1)
 
 
 def check_online(component: Any, plan: Any) -> list[str]:
     """``ftcore validate``'s checks of a grpo/rloo stage: a reward source, the weights, whole groups."""
     o, name = component.options, component.name
-    problems = []
+    problems = training_problems(component, plan)
+    for key in ("early_stopping_patience", "load_best_at_end"):
+        if getattr(o, key):
+            problems.append(f"{key}: trainer '{name}' has no eval_loss that says which checkpoint is better (its "
+                            "loss is a policy-gradient surrogate); compare eval_reward across checkpoints instead")
     sources = len(o.reward) + (o.reward_model is not None)
     if not sources:
         problems.append(f"reward: trainer '{name}' needs a reward source: reward = [\"<name>\"] naming "
@@ -86,6 +92,10 @@ def train_online(component: Any, ctx: Any, trainer_cls: type, config_cls: type,
                                    evaluation=evaluation, config=config, reward_funcs=funcs, reference=reference)
     if isinstance(ctx.model, PeftModel) and "ref" in ctx.model.peft_config:
         ctx.model.delete_adapter("ref")  # TRL's frozen reference copy: not part of the stage's adapter
+    metrics.pop("eval_perplexity", None)  # exp of a policy-gradient loss is no perplexity
+    evals = [h for h in trainer.state.log_history if "eval_reward/mean" in h]
+    if evals:
+        metrics["eval_reward"] = evals[-1]["eval_reward/mean"]  # mean reward of the last evaluation's samples
     summary = reward_summary(trainer)
     if summary:
         ctx.reporter.info(f"stage [bold]{ctx.stage}[/]: mean reward {summary['reward_start']:.4f} over the first "

@@ -117,6 +117,7 @@ name = "rl"
 trainer = "grpo"
 data = "pairs"
 reward_model = "rm"
+eval_data = "chat_eval"
 max_steps = 3
 batch_size = 8
 num_generations = 4
@@ -131,7 +132,12 @@ save_steps = 100
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["reward/mean"] == r["reward/rm"] for r in steps)
     assert any(r["reward/rm_std"] > 0 for r in steps)  # the model tells completions apart
-    assert json.loads((run / "stages" / "rl" / "COMPLETE.json").read_text())["metrics"]["generation_batches"] == 3
+    metrics = json.loads((run / "stages" / "rl" / "COMPLETE.json").read_text())["metrics"]
+    assert metrics["generation_batches"] == 3  # training batches only, not the evaluation's
+    # The held-out prompts (chat rows) were sampled and scored when training ended.
+    evaluated = [r for r in rl_records(run) if "eval_reward/mean" in r]
+    assert evaluated and metrics["eval_reward"] == evaluated[-1]["eval_reward/mean"]
+    assert "eval_perplexity" not in metrics
 
 
 def test_reward_model_stage_scores_completions_and_peft_reference_is_removed(tmp_path):

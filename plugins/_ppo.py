@@ -150,19 +150,15 @@ def frozen_copy(model: Any) -> Any:
     that close over the original model: TRL's SFTTrainer installs one (its fused LM head calls the
     original's bound ``forward``), and a deep copy keeps the closure, so the "reference" would run
     with the policy's live weights."""
-    import types
     import warnings
+
+    from ._training import strip_forward_patches
 
     with warnings.catch_warnings():  # "trl.experimental is unstable": this helper is a plain deep copy
         warnings.simplefilter("ignore")
         from trl.experimental.utils import create_reference_model
 
-    reference = create_reference_model(model)
-    for module in reference.modules():
-        patched = module.__dict__.get("forward")
-        if isinstance(patched, types.MethodType) and patched.__func__.__closure__:
-            del module.forward  # back to the class's own forward, on the copy's weights
-    return reference
+    return strip_forward_patches(create_reference_model(model))
 
 
 def reference_logits(reference: Any, input_ids: Any, attention_mask: Any, response_length: int) -> Any:

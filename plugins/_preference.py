@@ -18,6 +18,8 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
+from ._training import strip_forward_patches
+
 PAIRS = "preference pairs (prompt, chosen, rejected)"
 UNPAIRED = "unpaired preference rows (prompt, completion, label)"
 # A data source's `format` and the kind of rows it gives (prompt_completion can give either kind).
@@ -227,15 +229,6 @@ def length_report(ctx: Any, texts: dict[str, Any], max_length: int, *, style: st
 # -- the reference policy and log-probabilities ---------------------------------------------------
 
 
-def unpatch(model: Any) -> Any:
-    """Remove the per-instance ``forward`` TRL installs (its fused LM head): a copy of the model
-    would otherwise keep calling the original's forward."""
-    for m in (model, getattr(model, "get_base_model", lambda: None)()):
-        if m is not None:
-            vars(m).pop("forward", None)
-    return model
-
-
 def reference_model(ctx: Any) -> Any:
     """The reference policy for TRL: ``None`` for a peft model (TRL then copies the live adapter into
     a frozen second adapter, ``ref``: the policy as it was when this stage started, whether the
@@ -244,7 +237,7 @@ def reference_model(ctx: Any) -> Any:
 
     if isinstance(ctx.model, PeftModel):
         return None
-    ref = unpatch(copy.deepcopy(ctx.model))
+    ref = strip_forward_patches(copy.deepcopy(ctx.model))
     ref.requires_grad_(False)
     return ref.eval()
 
@@ -256,7 +249,7 @@ def drop_reference(model: Any) -> Any:
 
     if isinstance(model, PeftModel) and "ref" in model.peft_config:
         model.delete_adapter("ref")
-    return unpatch(model)
+    return strip_forward_patches(model)
 
 
 def answer_logps(model: Any, ids: list[tuple[list[int], list[list[int]]]], max_length: int, pad_id: int,
@@ -331,7 +324,7 @@ def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, conf
                                    evaluation=evaluation if periodic_evaluation(o) else None,
                                    config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
                                            "gradient_checkpointing": o.gradient_checkpointing, **config},
-                                   ref_model=reference_model(ctx))
+                                   ref_model=reference_model(ctx), strip_patches=False)
     if start is not None:
         if check_reference is not None:
             metrics.update(check_reference(trainer, ids["eval"], start))

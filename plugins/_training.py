@@ -191,11 +191,26 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
     )
 
 
+def strip_forward_patches(model: Any) -> Any:
+    """Remove the per-instance ``forward`` TRL installs (its fused LM head, a closure over the original
+    bound ``forward``), so the model is a plain transformers model again: a deep copy of a patched model
+    (a reference model, say) would keep calling the original's forward, on the live weights."""
+    import types
+
+    for module in model.modules():
+        patched = module.__dict__.get("forward")
+        if isinstance(patched, types.MethodType) and patched.__func__.__closure__:
+            del module.forward
+    return model
+
+
 def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, *, train: Any,
-                evaluation: Any | None, config: dict[str, Any] | None = None,
+                evaluation: Any | None, config: dict[str, Any] | None = None, strip_patches: bool = True,
                 **trainer_kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """Train ``ctx.model`` with a transformers/TRL ``trainer_cls`` configured by ``config_cls``
     (e.g. ``DPOTrainer``/``DPOConfig``): the shared arguments, callbacks, resume and metrics.
+    ``strip_patches=False`` leaves TRL's forward patches on the model, for a caller that still uses
+    the returned trainer; it must call ``strip_forward_patches`` itself afterwards.
     ``config`` adds or overrides config fields; ``trainer_kwargs`` go to the trainer (``callbacks``
     are added to ours). Every trainer built here gets: checkpoints marked and rotated, the best by
     eval loss kept, early stopping, the stability guard, and SIGINT/SIGTERM handling (a checkpoint
@@ -254,7 +269,8 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     load_best = o.load_best_at_end if o.load_best_at_end is not None else bool(o.early_stopping_patience)
     if evaluating and load_best and best:
         trainer._load_best_model()  # the Trainer's own loader: full weights or adapter, as it saved them
-    ctx.model = trainer.model
+    # The next stage gets the model without the trainer's per-instance forward patches.
+    ctx.model = strip_forward_patches(trainer.model) if strip_patches else trainer.model
     steps = result.global_step - trainer._initial_global_step  # this process's steps (after a resume: since it)
     trained = steps - guard.skipped
     metrics: dict[str, Any] = {

@@ -118,6 +118,17 @@ class LoraAdapter(PeftAdapter):
     def label(self) -> str:
         return f"adapter {self.name} (r={self.options.r})"
 
+    def apply_meta(self, model, ctx):
+        """For ``ftcore estimate``: the adapter's layers on the meta model. An initialisation that reads
+        the weights (PiSSA's SVD, OLoRA's QR, LoftQ) cannot run on meta tensors, and changes no shape or
+        dtype, so the layers are made with peft's default initialisation."""
+        from peft import get_peft_model
+
+        config = self.peft_config(model, ctx)
+        config.init_lora_weights = True
+        config.loftq_config = {}
+        return get_peft_model(model, config)
+
     def peft_config(self, model, ctx):
         from peft import LoraConfig
 

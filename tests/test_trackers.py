@@ -260,7 +260,7 @@ def test_a_missing_tracker_library_is_a_validation_error_naming_the_pip_package(
         load_plan(_project(tmp_path, f'track = ["{tracker}"]\n\n[[stage]]\ntrainer = "sft"\ndata = "chat"\n'),
                   get_plugin_manager(entry_points=False).registry())
     [problem] = err.value.problems
-    assert problem.endswith(f"plan.toml: track.{tracker}: needs {module}, which is not installed: "
+    assert problem.endswith(f"plan.toml: track[0]: needs {module}, which is not installed: "
                             f"pip install {pip} (or pip install 'ftcore[track]')")
 
 

@@ -46,3 +46,43 @@ def test_quickstart_improves_the_task_and_exports_load(tmp_path):
     ids = tok("the red fox", return_tensors="pt")
     with torch.no_grad():
         assert torch.allclose(adapted(**ids).logits, model(**ids).logits, atol=1e-4)
+
+
+def _example(tmp_path, name):
+    """Copy examples/<name> and the quickstart data it reads, run it, return the run folder."""
+    shutil.copytree(ROOT / "examples" / "quickstart" / "data", tmp_path / "quickstart" / "data")
+    project = tmp_path / name
+    shutil.copytree(ROOT / "examples" / name, project, ignore=shutil.ignore_patterns("runs"))
+    assert run_cli("validate", str(project / "plan.toml")).returncode == 0
+    result = run_cli("run", str(project / "plan.toml"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return project / "runs" / name
+
+
+def _stage(run, name):
+    return json.loads((run / "stages" / name / "COMPLETE.json").read_text())["metrics"]
+
+
+def test_dpo_example_chains_sft_and_dpo(tmp_path):
+    run = _example(tmp_path, "dpo")
+    dpo = _stage(run, "dpo")
+    # DPO's own objective on held-out pairs: the policy prefers the chosen answers more often.
+    assert dpo["eval_logp_accuracy"] >= dpo["eval_logp_accuracy_before"] + 0.05, dpo
+    assert dpo["eval_reward_accuracy"] > 0.55 and dpo["eval_reward_margin"] > 0
+    evals = json.loads((run / "summary.json").read_text())["evaluations"]
+    assert evals["after"]["exact_match"]["exact_match"] > evals["before"]["exact_match"]["exact_match"]
+
+
+def test_rlhf_example_chains_sft_reward_and_ppo(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    run = _example(tmp_path, "rlhf")
+    reward = _stage(run, "reward")
+    assert reward["eval_accuracy"] >= reward["eval_accuracy_before"] + 0.15, reward
+    # The reward model is a plain transformers folder, and PPO was scored by it.
+    assert AutoModelForSequenceClassification.from_pretrained(run / "stages" / "reward" / "output").num_labels == 1
+    ppo = _stage(run, "ppo")
+    assert ppo["reward_last"] > ppo["reward_first"] + 0.5, ppo
+    assert 0 < ppo["kl_last"] < 20
+    # The reward stage left the policy alone: PPO continued the SFT stage's adapter.
+    assert json.loads((run / "stages" / "ppo" / "COMPLETE.json").read_text())["adapter_from"] == 1

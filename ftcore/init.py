@@ -84,6 +84,14 @@ def method(gb: float) -> tuple[str, str]:
 
 def write_plan(a: Answers) -> str:
     how, why_method = method(a.gpu_memory_gb)
+    rlhf = (a.goal == "alignment" or a.kind == "preferences") and a.kl == "high" and a.goal != "domain" \
+        and a.kind != "text"
+    if how == "qlora" and rlhf:
+        # The reward stage builds its model from a copy of the policy's weights, which 4-bit weights
+        # cannot give: the smallest method all three stages share is LoRA with checkpointing.
+        how, why_method = "lora", (why_method + "; but SFT -> reward -> PPO needs full-precision weights (the "
+                                   "reward model starts from a copy of the policy), so LoRA on a bf16 base with "
+                                   "gradient checkpointing: check `ftcore estimate plan.toml` says it fits")
     lr, epochs, why_schedule = schedule(a.rows, how)
     lines = [
         "# Written by `ftcore init`. Every choice below says why; change anything, then run",
@@ -111,10 +119,10 @@ def write_plan(a: Answers) -> str:
                   'target_modules = "all-linear"   # every linear layer but lm_head', ""]
     lines += ["[data.train]", 'use = "json"' if a.data.endswith(".json") else 'use = "jsonl"',
               f'path = "{a.data}"', "validation = 0.05   # held out: evaluated as \"train:validation\"", ""]
-    checkpointing = "true" if how == "qlora" else "false"
+    tight = how == "qlora" or (rlhf and a.gpu_memory_gb < 16)
     common = [f"epochs = {epochs}   # {why_schedule}", f"learning_rate = {lr:g}",
-              f"gradient_checkpointing = {checkpointing}" + ("   # trades compute for activation memory"
-                                                             if how == "qlora" else "")]
+              f"gradient_checkpointing = {'true' if tight else 'false'}" + (
+                  "   # trades compute for activation memory" if tight else "")]
     stages: list[list[str]] = []
     if a.goal == "domain" or a.kind == "text":
         stages.append(["# Domain shift on raw text: continued pre-training on every token.", "[[stage]]",

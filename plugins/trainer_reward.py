@@ -32,7 +32,12 @@ class RewardTrainer(Component):
         center_rewards_coefficient: float | None = Field(None, ge=0)  # pulls the mean reward to 0 (e.g. 0.01)
 
     def check(self, plan):
-        return check_data(self, plan, ("pairs",))
+        problems = check_data(self, plan, ("pairs",))
+        if plan.quantizer.name != "none":
+            problems.append(f"trainer 'reward' builds the reward model from a copy of the policy's weights, which "
+                            f"it cannot do from quantizer '{plan.quantizer.name}' weights; use [quantizer] "
+                            "use = \"none\" (LoRA with gradient_checkpointing = true is the smallest alternative)")
+        return problems
 
     def train(self, ctx):
         from trl import RewardConfig

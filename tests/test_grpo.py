@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from conftest import chat_rows, run_cli, write_jsonl
+from conftest import ROOT, chat_rows, installed, run_cli, write_jsonl
 
 SFT_THEN = """
 [reward.cat]
@@ -76,7 +76,9 @@ def test_rloo_with_a_third_party_reward_function_and_weights(tiny_project):
     plan = tiny_project(SFT_THEN.replace("[reward.cat]", '[reward.short]\nuse = "target_length"\ntarget = 2\n\n'
                                                          "[reward.cat]")
                         + 'trainer = "rloo"\nreward = ["cat", "short"]\nreward_weights = [1.0, 0.5]\n')
-    result = run_cli("run", str(plan))
+    with installed(ROOT / "examples" / "ftcore-example-evaluator", "ftcore-example-evaluator",
+                   tiny_project.dir):
+        result = run_cli("run", str(plan))
     assert result.returncode == 0, result.stderr[-3000:]
     run = tiny_project.dir / "runs" / "tiny"
     manifest = json.loads((run / "manifest.json").read_text())

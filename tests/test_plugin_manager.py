@@ -8,19 +8,17 @@ discovers them exactly as it discovers a pip-installed package. Nothing is patch
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import pytest
+
+from conftest import installed
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ftcore-example-evaluator"
@@ -353,42 +351,6 @@ def test_requires_names_the_missing_distribution_and_the_pip_command(tmp_path):
 
 
 # -- the example plugin package, really installed --------------------------------------------------
-
-def _example_install_state(dist: str) -> dict | None:
-    code = ("import importlib.metadata as m, json, sys\n"
-            "try:\n    d = m.distribution(sys.argv[1])\n"
-            "except m.PackageNotFoundError:\n    print('null')\n"
-            "else:\n    print(json.dumps({'version': d.version, 'direct_url': d.read_text('direct_url.json')}))\n")
-    out = subprocess.run([sys.executable, "-c", code, dist], capture_output=True, text=True, check=True, cwd="/")
-    return json.loads(out.stdout)
-
-
-def _pip(*args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "pip", *args, "--no-deps", "--no-build-isolation",
-                        "--disable-pip-version-check", "-q"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-@contextlib.contextmanager
-def installed(folder: Path, dist: str, tmp_path: Path):
-    """Install an example plugin package into this interpreter's environment (a real,
-    non-editable pip install of a copy, so the build leaves nothing in the repository), and
-    put back afterwards what was there before."""
-    before = _example_install_state(dist)
-    source = tmp_path / "pkg"
-    shutil.copytree(folder, source, ignore=shutil.ignore_patterns("runs", "build", "*.egg-info", "__pycache__"))
-    _pip("install", "--force-reinstall", str(source))
-    try:
-        yield
-    finally:
-        if before is None:
-            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", dist],
-                           capture_output=True, timeout=300)
-        else:
-            direct = json.loads(before["direct_url"] or "null") or {}
-            if direct.get("dir_info", {}).get("editable") and direct.get("url", "").startswith("file://"):
-                _pip("install", "-e", url2pathname(urlparse(direct["url"]).path))
-
 
 @pytest.fixture
 def example_installed(tmp_path):

@@ -42,6 +42,12 @@ def checkpoints(folder: Path) -> list[tuple[int, Path, bool]]:
     return sorted(found)
 
 
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The newest marked checkpoint: the one ``--resume`` continues from."""
+    marked = [path for _, path, done in checkpoints(folder) if done]
+    return marked[-1] if marked else None
+
+
 def rotate_checkpoints(folder: Path, keep: int | None, protect: Path | str | None = None) -> list[Path]:
     """Delete all but the ``keep`` newest marked checkpoints, never the newest marked one nor
     ``protect`` (the best), and unmarked leftovers of killed saves older than the newest marked one.

@@ -127,14 +127,6 @@ def progress_callback(reporter: Any, stage: str):
     return RichProgress()
 
 
-def checkpoint_marker(save_total_limit: int | None = None, save_each_evaluation: bool = False):
-    """Marks each checkpoint complete (``COMPLETE.json``) once the Trainer has saved all of it, then
-    rotates old ones: resume only picks marked checkpoints, so a killed save is skipped."""
-    from ._callbacks import checkpoint_keeper
-
-    return checkpoint_keeper(save_total_limit, save_each_evaluation)
-
-
 def resolve_precision(precision: str) -> str:
     """``auto``: bf16 on a GPU that has it, fp16 on a GPU without, else fp32."""
     import torch
@@ -219,9 +211,8 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     import torch
     from transformers import EarlyStoppingCallback, PrinterCallback
 
-    from ftcore.runner import _last_checkpoint
-
-    from ._callbacks import GracefulStop, StabilityGuard, attach_guard, stop_on_signal
+    from ._callbacks import GracefulStop, StabilityGuard, attach_guard, checkpoint_keeper, newest_checkpoint, \
+        stop_on_signal
 
     class EarlyStopping(EarlyStoppingCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -238,7 +229,7 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     evaluating = evaluation is not None
     progress = progress_callback(ctx.reporter, ctx.stage)
     stop = GracefulStop()
-    callbacks = [progress, checkpoint_marker(o.save_total_limit, save_each_evaluation=evaluating),
+    callbacks = [progress, checkpoint_keeper(o.save_total_limit, save_each_evaluation=evaluating),
                  stop_on_signal(stop), *trainer_kwargs.pop("callbacks", [])]
     early = EarlyStopping(o.early_stopping_patience, o.early_stopping_threshold) \
         if evaluating and o.early_stopping_patience else None
@@ -263,7 +254,7 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     finally:
         progress.close()  # also when the guard or an error ends training
     if stop.requested:
-        raise stop.interrupted(ctx.stage, trainer.state.global_step, _last_checkpoint(ctx.checkpoint_dir),
+        raise stop.interrupted(ctx.stage, trainer.state.global_step, newest_checkpoint(ctx.checkpoint_dir),
                                getattr(getattr(ctx.run, "plan", None), "path", None))
     best = trainer.state.best_model_checkpoint
     load_best = o.load_best_at_end if o.load_best_at_end is not None else bool(o.early_stopping_patience)

@@ -286,17 +286,20 @@ class _Checker:
             default_adapter = DEFAULTS["adapter"]
 
         data: dict[str, Selected] = {}
-        for name, section in (self.table(raw, "data") or {}).items():
+        data_table = self.table(raw, "data") or {}
+        for name, section in data_table.items():
             if not isinstance(section, dict):
                 self.problem(f"data.{name}", f"must be a table ([data.{name}]), got {_type(section)}")
                 continue
             sel = self.component("data source", f"data.{name}", section)
             if sel:
                 data[name] = sel
-        data_names = set(self.table(raw, "data") or {})
+        data_names = set(data_table)
 
         rewards: dict[str, Selected] = {}
-        for name, section in (self.table(raw, "reward") or {}).items():
+        reward_table = self.table(raw, "reward") or {}
+        reward_names = set(reward_table)  # defined, valid or not: references to them hold
+        for name, section in reward_table.items():
             if not isinstance(section, dict):
                 self.problem(f"reward.{name}", f"must be a table ([reward.{name}]), got {_type(section)}")
                 continue
@@ -335,7 +338,7 @@ class _Checker:
             adapter = self.component("adapter", f"{key}.adapter", section.get("adapter", default_adapter),
                                      default=DEFAULTS["adapter"])
             if trainer:
-                self.references(trainer, f"{key}", [s.name for s in stages], set(self.table(raw, "reward") or {}))
+                self.check_references(trainer, key, [s.name for s in stages], reward_names)
             if trainer and adapter and ref:
                 stages.append(Stage(i, str(name), trainer, ref, eval_ref, adapter))
 
@@ -414,7 +417,7 @@ class _Checker:
                 out.append(Selected(key, reg, options))
         return out
 
-    def references(self, sel: Selected, key: str, earlier: list[str], rewards: set[str]) -> None:
+    def check_references(self, sel: Selected, key: str, earlier: list[str], rewards: set[str]) -> None:
         """Options that name an earlier stage or a [reward.<name>] must name one that exists."""
         from .types import references
 

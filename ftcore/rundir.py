@@ -104,6 +104,14 @@ def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def run_status(error: BaseException | None) -> str:
+    """What ``manifest.json`` calls a run that ended with ``error``: ``complete``, ``interrupted``
+    (Ctrl-C, SIGTERM) or ``failed``."""
+    if error is None:
+        return "complete"
+    return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write atomically so a kill never leaves half a marker behind."""
     tmp = path.with_name(path.name + ".tmp")

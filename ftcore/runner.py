@@ -91,9 +91,8 @@ class Runner:
             self._steps()
         except BaseException as exc:
             if self.info.is_main:
-                status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-                rundir.write_json(self.run_dir / rundir.MANIFEST,
-                                  {**manifest, "status": status, "ended_at": rundir.now(), "error": str(exc)[:500]})
+                rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": rundir.run_status(exc),
+                                                                   "ended_at": rundir.now(), "error": str(exc)[:500]})
             self._notify("ftcore_run_end", run=self.info, error=exc)
             self._stop_trackers()
             self._close_log(handler)

@@ -103,7 +103,6 @@ def scratch_meta_model(loader: Any) -> tuple[Any, Any]:
     """``scratch``: the config it would build. A tokenizer trained at run time has at most
     ``vocab_size`` tokens (fewer on very little text), so that is the vocabulary counted."""
     import torch
-    from transformers import AutoConfig
 
     o = loader.options
     if o.tokenizer is not None:
@@ -112,18 +111,7 @@ def scratch_meta_model(loader: Any) -> tuple[Any, Any]:
         vocab = len(AutoTokenizer.from_pretrained(str(o.tokenizer)))
     else:
         vocab = o.vocab_size
-    fields = {
-        "vocab_size": vocab,
-        "hidden_size": o.hidden_size,
-        "num_hidden_layers": o.num_layers,
-        "num_attention_heads": o.num_heads,
-        "num_key_value_heads": o.num_kv_heads or o.num_heads,
-        "intermediate_size": o.intermediate_size or 4 * o.hidden_size,
-        "max_position_embeddings": o.max_position_embeddings,
-        "tie_word_embeddings": o.tie_word_embeddings,
-        **o.config,
-    }
-    config = AutoConfig.for_model(o.architecture, **fields)
+    config = loader.model_config(vocab)
     return meta_model_from_config(config, torch.float32), config
 
 

@@ -185,22 +185,12 @@ class RewardModel:
 
     def __init__(self, stage: str, path: Any, ctx: Any):
         from accelerate import PartialState
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-        if not (path / "config.json").is_file():
-            raise FtcoreError(f"stage {ctx.stage}: reward_model = {stage!r}: {path} holds no saved model; "
-                              f"stage {stage!r} must save a sequence-classification model (trainer 'reward')")
-        if AutoConfig.from_pretrained(path).num_labels != 1:
-            raise FtcoreError(f"stage {ctx.stage}: reward_model = {stage!r} has more than one output; a reward "
-                              "model gives one score (num_labels = 1)")
+        from . import _reward_model
+
         self.__name__ = stage
         self.device = PartialState().device  # where the Trainer puts the policy
-        self.model = AutoModelForSequenceClassification.from_pretrained(path).to(self.device).eval()
-        self.model.requires_grad_(False)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id  # it scores the last non-pad token
+        self.model, self.tokenizer = _reward_model.load(path, self.device, ctx.stage, stage)
         marker = "\x00"
         whole = ctx.template.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}],
                                     ctx.tokenizer, add_generation_prompt=False)
@@ -213,14 +203,11 @@ class RewardModel:
 
     def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
                  **_: Any) -> list[float]:
-        import torch
+        from . import _reward_model
 
         texts = [self.bos + p + c + (self.turn_end if ids and ids[-1] in self.stops else "")
                  for p, c, ids in zip(prompts, completions, completion_ids)]
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
-                               add_special_tokens=False).to(self.device)
-        with torch.inference_mode():
-            return self.model(**batch).logits[:, 0].float().tolist()
+        return _reward_model.scores(self.model, self.tokenizer, texts, self.device)
 
 
 def reward_functions(ctx: Any, o: OnlineOptions) -> list[Any]:

@@ -202,34 +202,15 @@ class RewardModel:
     prompt + completion, re-tokenized with the reward model's own tokenizer."""
 
     def __init__(self, folder: Path, device: Any, stage: str, ref: str):
-        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from . import _reward_model
 
-        if not (Path(folder) / "config.json").exists():
-            raise FtcoreError(f"stage {stage}: reward_model {ref!r}: {folder} holds no model (no config.json); "
-                              f"did stage {ref!r} finish? Run it again with --resume")
-        config = AutoConfig.from_pretrained(folder)
-        if getattr(config, "num_labels", 1) != 1:
-            raise FtcoreError(f"stage {stage}: reward_model {ref!r} has {config.num_labels} outputs; a reward "
-                              "model gives one score (num_labels = 1)")
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForSequenceClassification.from_pretrained(folder).to(device).eval()
-        self.model.requires_grad_(False)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        if self.model.config.pad_token_id is None:  # the model finds each row's last token by it
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model, self.tokenizer = _reward_model.load(folder, device, stage, ref)
         self.device = device
 
     def score(self, texts: list[str], batch_size: int) -> list[float]:
-        import torch
+        from . import _reward_model
 
-        scores: list[float] = []
-        with torch.no_grad():
-            for start in range(0, len(texts), batch_size):
-                batch = self.tokenizer(texts[start:start + batch_size], return_tensors="pt", padding=True,
-                                       add_special_tokens=False).to(self.device)
-                scores += self.model(**batch).logits[:, 0].float().tolist()
-        return scores
+        return _reward_model.scores(self.model, self.tokenizer, texts, self.device, batch_size)
 
 
 # -- checkpoints --------------------------------------------------------------------------------------

@@ -49,8 +49,11 @@ def wrong_kind(trainer: str, accepts: tuple[str, ...], what: str) -> str:
 
 def check_data(component: Any, plan: Any, accepts: tuple[str, ...]) -> list[str]:
     """``check(plan)`` problems for the stages that use this trainer, for the data kinds we can
-    tell without loading the data: an explicit ``format``, or the first row of a JSON Lines file."""
-    problems = []
+    tell without loading the data: an explicit ``format``, or the first row of a JSON Lines file;
+    and the shared training options' problems."""
+    from ._training import training_problems
+
+    problems = training_problems(component, plan)
     for stage in plan.stages:
         if stage.trainer.options is not component.options:
             continue

@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, PlainSerializer, ValidationInfo
 
-from ftcore.component import Component, Options
+from ftcore.component import Component
 from ftcore.errors import FtcoreError, did_you_mean
 
 from . import _formats as F

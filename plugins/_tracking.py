@@ -60,13 +60,6 @@ def flat_plan(run: Any) -> dict[str, str]:
     return out
 
 
-def status(error: BaseException | None) -> str:
-    """``complete``, ``interrupted`` (Ctrl-C, SIGTERM) or ``failed``: the words the run manifest uses."""
-    if error is None:
-        return "complete"
-    return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-
-
 def error_line(error: BaseException) -> str:
     first = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {first}"[:500]

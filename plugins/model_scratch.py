@@ -45,7 +45,7 @@ class ScratchModelLoader(Component):
 
     def load(self, ctx):
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         o = self.options
         if o.tokenizer is not None:
@@ -60,21 +60,8 @@ class ScratchModelLoader(Component):
                     tokenizer.save_pretrained(saved)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        fields = {
-            "vocab_size": len(tokenizer),
-            "hidden_size": o.hidden_size,
-            "num_hidden_layers": o.num_layers,
-            "num_attention_heads": o.num_heads,
-            "num_key_value_heads": o.num_kv_heads or o.num_heads,
-            "intermediate_size": o.intermediate_size or 4 * o.hidden_size,
-            "max_position_embeddings": o.max_position_embeddings,
-            "tie_word_embeddings": o.tie_word_embeddings,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-            **o.config,
-        }
-        config = AutoConfig.for_model(o.architecture, **fields)
+        config = self.model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(ctx.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         n = sum(p.numel() for p in model.parameters())
@@ -107,6 +94,26 @@ class ScratchModelLoader(Component):
                                             additional_special_tokens=list(o.special_tokens))
         ctx.reporter.info(f"trained a BPE tokenizer on {', '.join(o.tokenizer_data)}: {len(tokenizer):,} tokens")
         return tokenizer
+
+    def model_config(self, vocab_size: int, **tokens: Any) -> Any:
+        """The transformers config this loader builds, for ``vocab_size`` tokens; the plan's
+        ``config`` table overrides any field."""
+        from transformers import AutoConfig
+
+        o = self.options
+        fields = {
+            "vocab_size": vocab_size,
+            "hidden_size": o.hidden_size,
+            "num_hidden_layers": o.num_layers,
+            "num_attention_heads": o.num_heads,
+            "num_key_value_heads": o.num_kv_heads or o.num_heads,
+            "intermediate_size": o.intermediate_size or 4 * o.hidden_size,
+            "max_position_embeddings": o.max_position_embeddings,
+            "tie_word_embeddings": o.tie_word_embeddings,
+            **tokens,
+            **o.config,
+        }
+        return AutoConfig.for_model(o.architecture, **fields)
 
     def meta_model(self):
         """For ``ftcore estimate``: the model on the meta device and its config."""

@@ -7,6 +7,7 @@ import re
 import time
 
 import ftcore
+from ftcore import rundir
 from ftcore.component import Component, Options
 from ftcore.types import OutputPath
 
@@ -84,7 +85,7 @@ class MLflow(Component):
             return
         if error is not None:
             self._client.set_tag(self._run_id, "ftcore.error", _tracking.error_line(error))
-        self._client.set_terminated(self._run_id, _STATUS[_tracking.status(error)])
+        self._client.set_terminated(self._run_id, _STATUS[rundir.run_status(error)])
         self._client = None
 
     def _log(self, prefix: str, step: int, values: dict[str, float]) -> None:

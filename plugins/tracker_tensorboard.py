@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import ftcore
+from ftcore import rundir
 from ftcore.component import Component, Options
 from ftcore.types import OutputPath
 
@@ -59,7 +60,7 @@ class TensorBoard(Component):
     def ftcore_run_end(self, run, error):
         if self._writer is None or not run.is_main:
             return
-        status = _tracking.status(error)
+        status = rundir.run_status(error)
         self._writer.add_text("status", status if error is None else f"{status}: {_tracking.error_line(error)}", 0)
         self._writer.close()
         self._writer = None

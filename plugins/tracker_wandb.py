@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 import ftcore
+from ftcore import rundir
 from ftcore.component import Component, Options
 from ftcore.types import OutputPath
 
@@ -77,7 +78,7 @@ class WandB(Component):
     def ftcore_run_end(self, run, error):
         if self._run is None or not run.is_main:
             return
-        status = _tracking.status(error)
+        status = rundir.run_status(error)
         self._run.summary["ftcore/status"] = status
         if error is not None:
             self._run.summary["ftcore/error"] = _tracking.error_line(error)

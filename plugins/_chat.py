@@ -38,6 +38,30 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def prompt_rows(data: Any, stage: str, trainer: str, label: str = "") -> Any:
+    """The rows of ``data`` for a trainer that generates answers: it needs chat rows or prompt rows
+    (prompt/completion, preference pairs), else one line says what the data has."""
+    columns = set(data.column_names)
+    if "messages" not in columns and "prompt" not in columns:
+        raise FtcoreError(f"stage {stage}: trainer '{trainer}' needs prompts: chat rows (messages) or prompt rows "
+                          f"(prompt/completion, preference pairs); this {label + ' ' if label else ''}data has "
+                          f"{', '.join(sorted(columns))}"
+                          + ("; plain text rows have no prompt to answer" if "text" in columns else ""))
+    return data
+
+
+def prompt_text(row: dict, tokenizer: Any, template: Any) -> str:
+    """A row's prompt as text: its conversation without the last assistant turn (the reference
+    answer), rendered with the template's generation prompt; a string prompt as it is; "" if none."""
+    prompt = row["messages"] if row.get("messages") is not None else row.get("prompt")
+    if not isinstance(prompt, list):
+        return prompt or ""
+    messages = template_messages(prompt)
+    if messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return template.render(messages, tokenizer, add_generation_prompt=True) if messages else ""
+
+
 def render_with_spans(template: Any, messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
     messages = template_messages(messages)
     text = template.render(messages, tokenizer, add_generation_prompt=False)

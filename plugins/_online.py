@@ -113,27 +113,17 @@ def prompt_dataset(ctx: Any, trainer: str, rows: Any, label: str, o: OnlineOptio
     ``max_completion_length`` within ``max_length`` are dropped and counted."""
     import datasets
 
-    from ._chat import template_messages
+    from ._chat import prompt_rows, prompt_text
 
     if rows is None:
         return None
-    columns = set(rows.column_names)
-    if "messages" not in columns and "prompt" not in columns:
-        raise FtcoreError(f"stage {ctx.stage}: trainer '{trainer}' needs prompts: chat rows (messages) or "
-                          f"prompt rows (prompt/completion, preference pairs); this {label} data has "
-                          f"{', '.join(sorted(columns))}"
-                          + ("; plain text rows have no prompt to answer" if "text" in columns else ""))
-    tok, template = ctx.tokenizer, ctx.template
+    prompt_rows(rows, ctx.stage, trainer, label)
+    tok = ctx.tokenizer
     # TRL tokenizes text prompts with the tokenizer's special tokens: leave out a BOS it adds itself.
     bos = tok.bos_token if adds_bos(tok) else None
     texts, empty = [], 0
     for row in rows:
-        prompt = row["messages"] if "messages" in columns else row["prompt"]
-        if isinstance(prompt, list):
-            messages = template_messages(prompt)
-            if messages and messages[-1]["role"] == "assistant":
-                messages = messages[:-1]  # the reference answer
-            prompt = template.render(messages, tok, add_generation_prompt=True) if messages else ""
+        prompt = prompt_text(row, tok, ctx.template)
         if not prompt:
             empty += 1
             continue

@@ -173,25 +173,10 @@ def reference_logits(reference: Any, input_ids: Any, attention_mask: Any, respon
 
 
 def prompt_texts(data: Any, tokenizer: Any, template: Any, stage: str) -> list[str]:
-    """The prompts PPO generates from: a chat row without its last assistant turn, or a ``prompt``
-    (a message list or a string), rendered with the plan's template and its generation prompt."""
-    from ._chat import template_messages
+    """The prompts PPO generates from (see ``_chat.prompt_text``)."""
+    from ._chat import prompt_rows, prompt_text
 
-    columns = set(data.column_names)
-    if "messages" not in columns and "prompt" not in columns:
-        raise FtcoreError(f"stage {stage}: trainer 'ppo' needs prompts: chat rows (messages) or rows with a "
-                          f"'prompt'; this data has {', '.join(sorted(columns))}")
-    out = []
-    for row in data:
-        messages = row.get("messages") or row.get("prompt")
-        if isinstance(messages, str):
-            out.append(messages)
-            continue
-        messages = template_messages(messages or [])
-        if messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]  # the reference answer: PPO writes its own
-        if messages:
-            out.append(template.render(messages, tokenizer, add_generation_prompt=True))
+    out = [p for p in (prompt_text(row, tokenizer, template) for row in prompt_rows(data, stage, "ppo")) if p]
     if not out:
         raise FtcoreError(f"stage {stage}: trainer 'ppo' found no prompt in the data (every row was only an answer)")
     return out

@@ -96,12 +96,17 @@ class EvalContext:
 
     run: RunInfo
     reporter: Reporter
-    phase: str  # "before" or "after" training
+    phase: str  # "before" training, a stage's name (right after that stage), or "after" the last stage
     model: Any
     tokenizer: Any
     template: Any
     data: Any | None  # datasets.Dataset, internal schema, when the evaluation names data
     output_dir: Path  # for the evaluator's own files (predictions, ...)
+    earlier: dict[str, dict[str, Any]] = field(default_factory=dict)  # this evaluation's results in earlier phases
+    outputs: dict[str, Path] = field(default_factory=dict)  # finished stages' output folders, by stage name
+    # load_model("base") or load_model("<stage>"): that model rebuilt from the run's files, as
+    # (model, tokenizer), for comparisons on the same data with the same settings.
+    load_model: Callable[[str], tuple[Any, Any]] | None = None
 
 
 @dataclass
@@ -115,3 +120,10 @@ class ExportContext:
     template: Any
     adapter: Any | None  # the adapter component whose weights are live on ``model``, if any
     path: Path
+    # base_model (the plan's [model], redacted), plan_fingerprint, data_files, metrics by phase,
+    # stages and ftcore_version: what a model card records about where the model came from.
+    provenance: dict[str, Any] = field(default_factory=dict)
+    quantized: bool = False  # the base was loaded through a quantizer other than ``none``
+    # The model the live adapter was applied to, rebuilt at full precision (the quantizer skipped),
+    # so a QLoRA adapter is merged into full-precision weights, never into 4-bit ones.
+    load_full_precision_base: Callable[[], Any] | None = None

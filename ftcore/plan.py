@@ -25,12 +25,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate",
-             "export", "track")
+             "export", "track", "distributed")
 RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
 STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
 EVALUATE_KEYS = ("name", "use", "data", "when")
 EXPORT_KEYS = ("name", "use", "path")
-WHEN = ("before", "after", "both")
+PHASES = ("before", "after", "both")  # reserved: a `when` may also name stages
 DEFAULTS = {"quantizer": "none", "template": "native", "adapter": "full"}
 # "token", "hf_token", "api_key", ... but not "max_new_tokens".
 _SECRET = re.compile(r"(^|[_-])(token|secret|password|passwd|api[_-]?key|credentials?)$", re.I)
@@ -74,7 +74,7 @@ class Evaluation:
     name: str
     evaluator: Selected
     data: str | None
-    when: str
+    when: tuple[str, ...]  # phases, in run order: "before", stage names (right after them), "after"
 
 
 @dataclass
@@ -101,6 +101,7 @@ class Plan:
     exports: list[Export]
     rewards: dict[str, Selected]
     trackers: list[Selected]
+    distributed: Any = None  # ftcore.launch.Distributed: how many processes, which engine
 
     @property
     def base_dir(self) -> Path:
@@ -115,8 +116,10 @@ class Plan:
         return _redact(self.raw)
 
     def fingerprint(self) -> str:
-        """Identity of the plan's content, ignoring formatting and comments."""
-        blob = json.dumps(self.raw, sort_keys=True, default=str).encode()
+        """Identity of the plan's content, ignoring formatting and comments. ``[distributed]`` is left
+        out: a run may be resumed on other hardware."""
+        content = {k: v for k, v in self.raw.items() if k != "distributed"}
+        blob = json.dumps(content, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
 
@@ -142,13 +145,14 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
         raise PlanError([f"{where}: invalid TOML: {msg}"]) from None
 
 
-def load_plan(path: str | Path, registry: Registry) -> Plan:
-    """Read and check a plan. Raises :class:`PlanError` listing every problem."""
+def load_plan(path: str | Path, registry: Registry, distributed: dict[str, Any] | None = None) -> Plan:
+    """Read and check a plan. Raises :class:`PlanError` listing every problem. ``distributed`` overrides
+    keys of the plan's ``[distributed]`` (the ``ftcore run`` flags)."""
     shown = str(path)
     path = Path(path).expanduser().resolve()
     raw = read_toml(path, shown)
     checker = _Checker(shown, path.parent, registry)
-    plan = checker.check(raw, path)
+    plan = checker.check(raw, path, distributed or {})
     if checker.problems:
         raise PlanError(checker.problems)
     assert plan is not None
@@ -235,6 +239,9 @@ class _Checker:
                 bad = True
         if bad:
             return None
+        return self.validated(model, key, raw, reg)
+
+    def validated(self, model: type[BaseModel], key: str, raw: dict, reg: Registration | None) -> BaseModel | None:
         try:
             # Strict, as TOML is typed: "8" is not an int, "yes" not a bool. JSON mode still takes
             # strings for paths; TOML dates (which JSON lacks) arrive as strings and fail as such.
@@ -248,13 +255,15 @@ class _Checker:
                 self.problem(path, " or ".join(messages))
             return None
         except Exception as exc:  # a validator that crashed: the plugin's bug, not the plan's
+            if reg is None:
+                raise
             first = (str(exc).strip().splitlines() or [""])[0]
             self.problem(key, f"{reg.kind} '{reg.name}' from {reg.who()} failed validating its options: "
                               f"{type(exc).__name__}: {first}")
             return None
 
     # -- the plan ----------------------------------------------------------------------
-    def check(self, raw: dict, path: Path) -> Plan | None:
+    def check(self, raw: dict, path: Path, overrides: dict[str, Any]) -> Plan | None:
         for k in raw:
             if k not in TOP_LEVEL:
                 self.problem(k, _unknown_key("unknown top-level key", k, TOP_LEVEL))
@@ -308,6 +317,7 @@ class _Checker:
                 rewards[name] = sel
 
         trackers = self.trackers(raw.get("track"))
+        distributed = self.distributed({**(self.table(raw, "distributed") or {}), **overrides})
 
         def data_ref(section: dict, key: str, path: str, required: bool) -> str | None:
             """``name`` (its train split) or ``name:split``, e.g. ``chat:validation``."""
@@ -332,6 +342,8 @@ class _Checker:
             key = f"stage[{i}]"
             trainer = self.component("trainer", key, section, core_keys=STAGE_KEYS, name_key="trainer")
             name = section.get("name") or f"{i}-{trainer.name if trainer else 'stage'}"
+            if name in PHASES:
+                self.problem(f"{key}.name", f"{name!r} is reserved for evaluation phases; name the stage otherwise")
             self.unique_name(name, f"{key}.name", "stage", seen)
             ref = data_ref(section, "data", f"{key}.data", required=True)
             eval_ref = data_ref(section, "eval_data", f"{key}.eval_data", required=False)
@@ -348,9 +360,7 @@ class _Checker:
             key = f"evaluate[{i}]"
             ev = self.component("evaluator", key, section, core_keys=EVALUATE_KEYS)
             ref = data_ref(section, "data", f"{key}.data", required=False)
-            when = section.get("when", "both")
-            if when not in WHEN:
-                self.problem(f"{key}.when", f"must be one of {', '.join(WHEN)}, got {when!r}")
+            when = self.phases(section.get("when", "both"), f"{key}.when", [s.name for s in stages])
             name = section.get("name") or (ev.name if ev else None)
             if name is not None and self.unique_name(name, f"{key}.name", "evaluation", seen) and ev:
                 evaluations.append(Evaluation(name, ev, ref, when))
@@ -371,7 +381,10 @@ class _Checker:
         if self.problems or model is None or quantizer is None or template is None:
             return None
         plan = Plan(path, raw, run_name, seed, output_dir, requires, model, quantizer, template, data,
-                    stages, evaluations, exports, rewards, trackers)
+                    stages, evaluations, exports, rewards, trackers, distributed)
+        for msg in distributed.problems(plan):
+            key, _, message = msg.partition(": ")
+            self.problem(f"distributed.{key}", message)
         # Cross-checks a component makes against the whole plan (cheap: nothing is loaded).
         for sel in [model, quantizer, template, *data.values(), *(s.trainer for s in stages),
                     *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
@@ -390,6 +403,16 @@ class _Checker:
                 else:
                     self.problem(sel.key, msg)
         return plan
+
+    def distributed(self, section: dict[str, Any]) -> Any:
+        """``[distributed]`` (with the command line's overrides), or the one-process default."""
+        from .launch import Distributed
+
+        fields = Distributed.model_fields
+        unknown = [k for k in section if k not in fields]
+        for k in unknown:
+            self.problem(f"distributed.{k}", _unknown_key("unknown key", k, fields))
+        return (None if unknown else self.validated(Distributed, "distributed", section, None)) or Distributed()
 
     def trackers(self, value: Any) -> list[Selected]:
         """``track = ["tensorboard", "mlflow"]``, or ``[track.mlflow]`` tables with options."""
@@ -451,6 +474,27 @@ class _Checker:
             return False
         seen.add(name)
         return True
+
+    def phases(self, value: Any, path: str, stages: list[str]) -> tuple[str, ...]:
+        """``when``: "before", "after", "both", a stage name, or a list of these, as phases in run order.
+        Naming the last stage is the same as "after"."""
+        items = value if isinstance(value, list) else [value]
+        if not items or not all(isinstance(v, str) for v in items):
+            self.problem(path, f"must be \"before\", \"after\", \"both\", a stage name or a list of them, "
+                               f"got {value!r}")
+            return ()
+        wanted: set[str] = set()
+        for item in items:
+            if item == "both":
+                wanted |= {"before", "after"}
+            elif item in ("before", "after"):
+                wanted.add(item)
+            elif item in stages:
+                wanted.add("after" if item == stages[-1] else item)
+            else:
+                self.problem(path, unknown_choice("phase", item, ["before", "after", "both", *stages])
+                             + " (a stage name means: right after that stage)")
+        return tuple(p for p in ["before", *stages[:-1], "after"] if p in wanted)
 
     def requires(self, value: Any) -> list[str]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

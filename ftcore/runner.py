@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import memory, rundir
+from . import launch, memory, report, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
 from .errors import ComponentError, FtcoreError
 from .plan import Plan, Selected, Stage
@@ -73,10 +73,8 @@ class Runner:
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        note = ""
-        if self.info.is_main:
-            self._check_exports_free()
-            note = rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
+        # Rank 0 alone applies the run-directory rules; the others wait for its decision before they read.
+        note = launch.from_main(self._prepare, self.info.world_size)
         handler = self._log_to_file()
         self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
                                  self.pm if self.info.is_main else None, self.info)
@@ -93,6 +91,7 @@ class Runner:
             if self.info.is_main:
                 rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": rundir.run_status(exc),
                                                                    "ended_at": rundir.now(), "error": str(exc)[:500]})
+            report.after_run(self.info, self.reporter)  # a failed run gets its report too
             self._notify("ftcore_run_end", run=self.info, error=exc)
             self._stop_trackers()
             self._close_log(handler)
@@ -104,10 +103,15 @@ class Runner:
             rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": "complete",
                                                                "ended_at": rundir.now(),
                                                                "hardware": rundir.hardware()})
+        report.after_run(self.info, self.reporter)
         self._notify("ftcore_run_end", run=self.info, error=None)
         self._stop_trackers()
         self._close_log(handler)
         return summary
+
+    def _prepare(self) -> str:
+        self._check_exports_free()
+        return rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
 
     def _steps(self) -> None:
         plan = self.plan
@@ -118,22 +122,31 @@ class Runner:
             last_done += 1
         pending = plan.stages[last_done + 1:]
         before = self._phase_pending("before")
-        # Anything measured or written after training is stale once a stage trains again.
+        # An evaluation right after a stage is stale once that stage trains again; one after
+        # training, and every export, once any stage does.
+        between = {s.name: self._phase_pending(s.name, stale=s in pending) for s in plan.stages[:-1]}
         after = self._phase_pending("after", stale=bool(pending))
         exports = [e for e in plan.exports if pending or not self._export_done(e)]
         for stage in plan.stages[: last_done + 1]:
             self.steps.append(StepTime(stage.name, 0.0, skipped=True))
             self.stage_metrics[stage.name] = (done[stage.index] or {}).get("metrics", {})
-        if not (before or pending or after or exports):
+        if not (before or pending or after or exports or any(between.values())):
             self.reporter.info("nothing left to do: every stage, evaluation and export is complete")
             return
 
         if before:
             model, tokenizer = self._load_base()
             self._evaluate("before", model, tokenizer)
+        for stage in plan.stages[:last_done]:  # finished stages whose evaluation did not (a kill in between)
+            if between[stage.name]:
+                self._evaluate(stage.name, *self._model_at(stage.name))
         state = self._materialize(last_done)
+        if last_done >= 0 and between.get(plan.stages[last_done].name):
+            self._evaluate(plan.stages[last_done].name, state.model, state.tokenizer)
         for stage in pending:
             state = self._train(stage, state)
+            if between.get(stage.name):
+                self._evaluate(stage.name, state.model, state.tokenizer)
         if after:
             self._evaluate("after", state.model, state.tokenizer)
         for export in exports:
@@ -245,15 +258,21 @@ class Runner:
 
     def _evaluate(self, phase: str, model: Any, tokenizer: Any) -> None:
         results: dict[str, Any] = {}
+        order = self._phase_order()
+        earlier = order[: order.index(phase)]
+        outputs = {s.name: self.stage_dir(s) / "output" for s in self.plan.stages if self._marker(s)}
         with self._step(f"evaluate:{phase}") as metrics:
             for ev in self.plan.evaluations:
-                if ev.when not in (phase, "both"):
+                if phase not in ev.when:
                     continue
                 out = self.run_dir / "evaluations" / phase / ev.name
                 if self.info.is_main:
                     out.mkdir(parents=True, exist_ok=True)
                 ctx = EvalContext(self.info, self.reporter, phase, model, tokenizer, self.template,
-                                  self._load_data(ev.data) if ev.data else None, out)
+                                  self._load_data(ev.data) if ev.data else None, out,
+                                  earlier={p: self.evaluations[p][ev.name] for p in earlier
+                                           if ev.name in self.evaluations.get(p, {})},
+                                  outputs=outputs, load_model=self._model_at)
                 with calling(ev.evaluator, "evaluate"):
                     values = ev.evaluator.create().evaluate(ctx) or {}
                 results[ev.name] = values
@@ -267,7 +286,9 @@ class Runner:
         path = self.export_path(export)
         with self._step(f"export:{export.name}"):
             ctx = ExportContext(self.info, self.reporter, state.model, state.tokenizer, self.template,
-                                state.adapter.create() if state.adapter else None, path)
+                                state.adapter.create() if state.adapter else None, path,
+                                provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
+                                load_full_precision_base=lambda: self._full_precision_base(state))
             if self.info.is_main:
                 with calling(export.exporter, "export"):
                     artifact = export.exporter.create().export(ctx)
@@ -275,6 +296,47 @@ class Runner:
                 done = rundir.read_json(self.run_dir / "exports.json") or {}
                 rundir.write_json(self.run_dir / "exports.json", {**done, export.name: str(artifact or path)})
                 self.reporter.info(f"exported [bold]{export.name}[/] to {artifact or path}")
+
+    def _phase_order(self) -> list[str]:
+        return ["before", *(s.name for s in self.plan.stages[:-1]), "after"]
+
+    def _model_at(self, which: str) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` as they were at ``which`` ("base" or a finished stage's name), rebuilt
+        from the run's files; the live model is left alone."""
+        names = [s.name for s in self.plan.stages]
+        if which != "base" and which not in names:
+            raise FtcoreError(f"no stage named {which!r} to load; stages: {', '.join(names) or 'none'}")
+        index = -1 if which == "base" else names.index(which)
+        if index >= 0 and not self._marker(self.plan.stages[index]):
+            raise FtcoreError(f"stage {which!r} has not finished yet, so its model cannot be loaded")
+        cached, self._base = self._base, None
+        try:
+            state = self._materialize(index)
+        finally:
+            self._base = cached
+        return state.model, state.tokenizer
+
+    def _full_precision_base(self, state: ModelState) -> Any:
+        """The model ``state``'s adapter was applied to, rebuilt with the quantizer skipped."""
+        none = self.pm.registry.resolve("quantizer", "none").cls
+        quantizer, cached = self.quantizer, self._base
+        self.quantizer, self._base = none(none.Options()), None
+        try:
+            under = self._materialize(state.adapter_from - 1)
+            model = under.model
+            if under.adapter is not None:
+                with calling(under.adapter, "merge"):
+                    model = under.adapter.create().merge(model)
+            return model
+        finally:
+            self.quantizer, self._base = quantizer, cached
+
+    def _provenance(self) -> dict[str, Any]:
+        manifest = rundir.read_json(self.run_dir / rundir.MANIFEST) or {}
+        return {"base_model": self.plan.redacted().get("model", {}), "plan_fingerprint": self.plan.fingerprint(),
+                "data_files": manifest.get("data_files", {}), "metrics": self.evaluations,
+                "stages": manifest.get("resolved", {}).get("stages", []),
+                "ftcore_version": manifest.get("ftcore_version")}
 
     # -- helpers ---------------------------------------------------------------------------
     def _start_trackers(self) -> None:
@@ -314,7 +376,7 @@ class Runner:
         return rundir.read_json(self.stage_dir(stage) / rundir.COMPLETE)
 
     def _phase_pending(self, phase: str, stale: bool = False) -> bool:
-        wanted = any(e.when in (phase, "both") for e in self.plan.evaluations)
+        wanted = any(phase in e.when for e in self.plan.evaluations)
         stored = rundir.read_json(self.run_dir / "evaluations" / f"{phase}.json")
         if stored is not None and self.resume and not stale:
             self.evaluations[phase] = stored
@@ -395,7 +457,7 @@ class Runner:
                 "stages": [{"name": s.name, "trainer": s.trainer.reg.qualified, "adapter": s.adapter.reg.qualified,
                             "data": s.data} for s in plan.stages],
                 "evaluate": [{"name": e.name, "evaluator": e.evaluator.reg.qualified, "data": e.data,
-                              "when": e.when} for e in plan.evaluations],
+                              "when": list(e.when)} for e in plan.evaluations],
                 "export": [{"name": e.name, "exporter": e.exporter.reg.qualified,
                             "path": str(self.export_path(e))} for e in plan.exports],
             },
@@ -418,7 +480,7 @@ class Runner:
     def _summary(self) -> dict[str, Any]:
         return {
             "run_dir": str(self.run_dir),
-            "evaluations": self.evaluations,
+            "evaluations": {p: self.evaluations[p] for p in self._phase_order() if p in self.evaluations},
             "stages": self.stage_metrics,
             "exports": self.exports,
             "memory": self.memory,

@@ -174,7 +174,7 @@ CASES = [
     ("evaluate-undefined-data", append(EVALUATE.replace('"train"', '"held_out"')), "evaluate[0].data",
      ["undefined data 'held_out'", "[data.held_out]"]),
     ("bad-when", append(EVALUATE + 'when = "during"\n'), "evaluate[0].when",
-     ["before, after, both", "'during'"]),
+     ["unknown phase 'during'", "after, before, both, sft"]),
     ("duplicate-stage-names", append('\n[[stage]]\nname = "sft"\ntrainer = "sft"\ndata = "train"\n'),
      "stage[1].name", ["duplicate stage name 'sft'"]),
     ("duplicate-evaluation-names", append(EVALUATE + EVALUATE), "evaluate[1].name",

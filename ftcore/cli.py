@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import traceback
@@ -36,6 +37,13 @@ def _parser() -> argparse.ArgumentParser:
                           "resume an interrupted stage from its last checkpoint")
     run.add_argument("--force", action="store_true",
                      help="start over even if the run directory holds a run (it is moved aside, not deleted)")
+    dist = run.add_argument_group("distributed", "override the plan's [distributed] section (docs/distributed.md)")
+    dist.add_argument("--engine", choices=("ddp", "fsdp", "deepspeed"), help="how the processes share the work")
+    for flag, kind, what in (("--nproc-per-node", int, "processes on this node (one per GPU)"),
+                             ("--nnodes", int, "number of nodes"), ("--node-rank", int, "this node's rank"),
+                             ("--master-addr", str, "rank 0's node address"),
+                             ("--master-port", int, "a free port on rank 0's node")):
+        dist.add_argument(flag, type=kind, help=what)
 
     val = sub.add_parser("validate", parents=[common], help="check a plan and list every problem, loading nothing",
                          description="Check a plan against the installed plugins. Exits 2 if it has problems.")
@@ -76,11 +84,27 @@ def _parser() -> argparse.ArgumentParser:
                            description="The cache of tokenized datasets that runs share "
                                        "(FTCORE_CACHE_DIR, default ~/.cache/ftcore).")
     cache.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
+
+    rep = sub.add_parser("report", parents=[common], help="write a run's report.html and report.md again",
+                         description="Write report.html, report.md and the plots under report/ into a run "
+                                     "directory, from its files alone (a failed run's too).")
+    rep.add_argument("run_dir", help="the run directory, e.g. runs/<name>")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    code = _main(argv)
+    if os.environ.get("FTCORE_LAUNCH_DIR"):  # a worker: tell our launcher how this rank ended
+        from .launch import record_exit
+
+        record_exit(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    args.argv = argv
     if args.command is None:
         _parser().print_help()
         return 0
@@ -88,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         commands = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "cache": cmd_cache,
-                    "init": cmd_init, "estimate": cmd_estimate}
+                    "init": cmd_init, "estimate": cmd_estimate,
+                    "report": cmd_report}
         return commands[args.command](args)
     except PlanError as exc:
         for line in exc.problems:
@@ -246,7 +271,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .summary import print_summary
 
     pm, registry = _plugins(args)
-    plan = load_plan(args.plan, registry)
+    flags = ("engine", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+    plan = load_plan(args.plan, registry, {k: getattr(args, k) for k in flags if getattr(args, k) is not None})
+    from . import launch
+
+    if plan.distributed.wanted and not launch.is_worker():
+        d = plan.distributed
+        print(f"ftcore: starting {d.nproc_per_node} process(es) on this node ({d.engine}, node {d.node_rank} of "
+              f"{d.nnodes})" if d.accelerate_config is None else f"ftcore: starting accelerate launch with "
+              f"{d.accelerate_config}", file=sys.stderr)
+        return launch.launch(d, args.argv)
+    launch.start_worker(plan.distributed)
     console = Console(stderr=False)
     # SIGTERM outside a training stage ends the run like Ctrl-C (manifest "interrupted", exit 143); a
     # training stage replaces this handler with its own, which first saves a checkpoint.
@@ -277,3 +312,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     _, registry = _plugins(args)
     plan = load_plan(args.plan, registry)
     return main_estimate(plan, device=args.device, budget=args.budget, as_json=args.json, console=Console())
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    html_path, md_path = write_report(args.run_dir)
+    print(f"wrote {html_path} and {md_path}")
+    return 0

@@ -12,9 +12,9 @@ def _fmt(v: Any) -> str:
 
 
 def evaluation_rows(evaluations: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    """The evaluation table of a run (used by the run report): columns ``evaluation``, ``metric``, one per
-    phase with results (in the given run order) and ``change`` (the last phase with a number minus the
-    first) when there are two phases or more; rows hold the raw values and the change as text."""
+    """The evaluation table of a run, for the end-of-run table and the run report: columns ``evaluation``,
+    ``metric``, one per phase with results (in the given run order) and ``change`` (the last phase with a
+    number minus the first) when there are two phases or more; rows hold raw values, the change as text."""
     phases = {p: r for p, r in evaluations.items() if r}
     rows = []
     for name in dict.fromkeys(name for results in phases.values() for name in results):
@@ -30,19 +30,13 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
     from rich.table import Table
 
     # Phases in run order ("before", any right after a stage, "after"); change = last minus first.
-    phases = {p: r for p, r in summary["evaluations"].items() if r}
-    if phases:
+    columns, rows = evaluation_rows(summary["evaluations"])
+    if rows:
         table = Table(title="Evaluation", title_justify="left")
-        for col in ("evaluation", "metric", *phases, *(["change"] if len(phases) > 1 else [])):
+        for col in columns:
             table.add_column(col, justify="left" if col in ("evaluation", "metric") else "right")
-        names = dict.fromkeys(name for results in phases.values() for name in results)
-        for name in names:
-            metrics = dict.fromkeys(m for results in phases.values() for m in results.get(name, {}))
-            for metric in metrics:
-                values = [results.get(name, {}).get(metric) for results in phases.values()]
-                numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-                change = [f"{numbers[-1] - numbers[0]:+.4g}" if len(numbers) > 1 else ""] if len(phases) > 1 else []
-                table.add_row(name, metric, *(_fmt(v) for v in values), *change)
+        for row in rows:
+            table.add_row(*(_fmt(v) for v in row))
         console.print(table)
 
     table = Table(title="Steps", title_justify="left")

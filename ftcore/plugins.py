@@ -69,6 +69,9 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.trainer_pretrain",
     "ftcore_plugins.eval_perplexity",
     "ftcore_plugins.eval_exact_match",
+    "ftcore_plugins.eval_compare",
+    "ftcore_plugins.eval_forgetting",
+    "ftcore_plugins.eval_preference",
     "ftcore_plugins.export_adapter",
     "ftcore_plugins.export_merged",
     "ftcore_plugins.reward_contains",
@@ -83,6 +86,9 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.trainer_kto",
     "ftcore_plugins.trainer_orpo",
     "ftcore_plugins.trainer_reward",
+    "ftcore_plugins.eval_generation",
+    "ftcore_plugins.export_onnx",
+    "ftcore_plugins.export_gguf",
 )
 
 

@@ -107,6 +107,7 @@ class EvalContext:
     # load_model("base") or load_model("<stage>"): that model rebuilt from the run's files, as
     # (model, tokenizer), for comparisons on the same data with the same settings.
     load_model: Callable[[str], tuple[Any, Any]] | None = None
+    load_data: Callable[[str], Any] | None = None  # load_data(ref): the plan's data ``name`` or ``name:split``
 
 
 @dataclass

@@ -137,7 +137,7 @@ class Runner:
         if before:
             model, tokenizer = self._load_base()
             self._evaluate("before", model, tokenizer)
-        for stage in plan.stages[:last_done]:  # finished stages whose evaluation did not (a kill in between)
+        for stage in plan.stages[:max(last_done, 0)]:  # finished stages whose evaluation did not (killed between)
             if between[stage.name]:
                 self._evaluate(stage.name, *self._model_at(stage.name))
         state = self._materialize(last_done)
@@ -272,7 +272,7 @@ class Runner:
                                   self._load_data(ev.data) if ev.data else None, out,
                                   earlier={p: self.evaluations[p][ev.name] for p in earlier
                                            if ev.name in self.evaluations.get(p, {})},
-                                  outputs=outputs, load_model=self._model_at)
+                                  outputs=outputs, load_model=self._model_at, load_data=self._load_data)
                 with calling(ev.evaluator, "evaluate"):
                     values = ev.evaluator.create().evaluate(ctx) or {}
                 results[ev.name] = values

@@ -243,3 +243,88 @@ def test_compare_and_forgetting_refuse_a_baseline_that_is_not_ready(tiny_project
     assert result.returncode == 2
     assert "evaluate[3].evaluation: no [[evaluate]] named 'nope'" in result.stderr
     assert "evaluate[2].baseline: stage 'pretrain' has not finished in phase 'before'" in result.stderr
+
+
+def preference_rows(n: int) -> list[dict]:
+    rows = []
+    for row in chat_rows(n, seed=11):
+        user, answer = row["messages"]
+        rows.append({"prompt": [user], "chosen": [answer],
+                     "rejected": [{"role": "assistant", "content": answer["content"].replace("the ", "a red ")}]})
+    return rows
+
+
+def answer_logp(model, tokenizer, template, prompt, answer) -> float:
+    """log p(answer | prompt), one pair at a time, from the rendered conversation."""
+    text = template.render(prompt, tokenizer, add_generation_prompt=True)
+    full = template.render(prompt + answer, tokenizer, add_generation_prompt=False).rstrip("\n ")
+    p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    assert ids[:len(p_ids)] == p_ids
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return sum(logp[t - 1, ids[t]].item() for t in range(len(p_ids), len(ids)))
+
+
+def run_preference(tiny_model, rows, *, load_model=None, outputs=None, **options):
+    import datasets
+
+    from ftcore.context import EvalContext
+    from ftcore_plugins.eval_preference import Preference
+
+    model, tokenizer, template = tiny_model
+    ev = Preference(Preference.Options(batch_size=3, **options))
+    ctx = EvalContext(None, quiet_reporter(), "after", model, tokenizer, template,
+                      datasets.Dataset.from_list(rows), None, load_model=load_model, outputs=outputs or {})
+    return ev.evaluate(ctx)
+
+
+def test_preference_accuracy_and_margin_by_log_prob_and_implicit_reward(tiny_model):
+    import copy
+
+    model, tokenizer, template = tiny_model
+    rows = preference_rows(9)
+    chosen = [answer_logp(model, tokenizer, template, r["prompt"], r["chosen"]) for r in rows]
+    rejected = [answer_logp(model, tokenizer, template, r["prompt"], r["rejected"]) for r in rows]
+    got = run_preference(tiny_model, rows)
+    assert got["pairs"] == 9
+    assert got["accuracy"] == pytest.approx(sum(c > r for c, r in zip(chosen, rejected)) / 9)
+    assert got["margin"] == pytest.approx(sum(c - r for c, r in zip(chosen, rejected)) / 9, rel=1e-5)
+
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ref_c = [answer_logp(reference, tokenizer, template, r["prompt"], r["chosen"]) for r in rows]
+    ref_r = [answer_logp(reference, tokenizer, template, r["prompt"], r["rejected"]) for r in rows]
+    rewards = [(0.5 * (c - rc), 0.5 * (r - rr)) for c, rc, r, rr in zip(chosen, ref_c, rejected, ref_r)]
+    got = run_preference(tiny_model, rows, reference="base", beta=0.5,
+                         load_model=lambda which: (reference, tokenizer))
+    assert got["accuracy"] == pytest.approx(sum(c > r for c, r in rewards) / 9)
+    assert got["margin"] == pytest.approx(sum(c - r for c, r in rewards) / 9, rel=1e-4, abs=1e-6)
+
+
+def test_preference_by_reward_model(tiny_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    model, tokenizer, template = tiny_model
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tokenizer.pad_token_id))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    rows = preference_rows(7)
+
+    def score(prompt, answer):
+        text = template.render(prompt, tokenizer, add_generation_prompt=True)
+        full = template.render(prompt + answer, tokenizer, add_generation_prompt=False).rstrip("\n ")
+        with torch.no_grad():
+            return rm(**tokenizer(full, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item() \
+                if full.startswith(text) else None
+
+    pairs = [(score(r["prompt"], r["chosen"]), score(r["prompt"], r["rejected"])) for r in rows]
+    got = run_preference(tiny_model, rows, method="reward_model", reward_model="rm", outputs={"rm": tmp_path / "rm"})
+    assert got["pairs"] == 7
+    assert got["accuracy"] == pytest.approx(sum(c > r for c, r in pairs) / 7)
+    assert got["margin"] == pytest.approx(sum(c - r for c, r in pairs) / 7, rel=1e-4, abs=1e-6)

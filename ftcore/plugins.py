@@ -87,6 +87,7 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.trainer_orpo",
     "ftcore_plugins.trainer_reward",
     "ftcore_plugins.eval_generation",
+    "ftcore_plugins.eval_lm_eval",
     "ftcore_plugins.export_onnx",
     "ftcore_plugins.export_gguf",
 )

@@ -22,10 +22,6 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # there is nothing pretrained to quantize, and every weight must train.
 NOT_QUANTIZABLE = {"scratch": "it builds a randomly initialised model whose every weight must train"}
 
-# Exporters that fold the adapter into the weights.
-MERGING_EXPORTERS = ("merged",)
-
-
 class BnbOptions(Options):
     """Options every bitsandbytes quantizer takes (transformers' ``BitsAndBytesConfig`` names)."""
 
@@ -60,14 +56,8 @@ class BnbQuantizer(Component):
                                 f"the {bits} base weights (re-quantizing them rounds away much of the update); "
                                 "give every stage the same adapter, or use [quantizer] use = \"none\"")
             previous = adapter
-        for export in plan.exports:
-            if export.exporter.name in MERGING_EXPORTERS:
-                which = f"export '{export.name}'" + (
-                    f" (use = \"{export.exporter.name}\")" if export.name != export.exporter.name else "")
-                problems.append(f"{which} would merge the adapter "
-                                f"into the {bits} weights (re-quantizing them, lossy) and write a bitsandbytes "
-                                "checkpoint; export use = \"adapter\" and merge it into the full-precision base "
-                                "model instead")
+        # No export check: the merging exporters (merged, onnx) fold the adapter into the base loaded again
+        # at full precision, never into the quantized weights.
         return problems
 
     # -- loading ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ftcore.errors import FtcoreError
 from .adapter_lora import PeftAdapter
 from .model_hf import resolve_model_path
 
-MERGING_EXPORTERS = ("merged",)
+MERGING_EXPORTERS = ("merged", "onnx", "gguf")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -6,13 +6,24 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
+from ._card import write_card
+
+USAGE = """
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base}")  # the model the adapter was trained on
+model = PeftModel.from_pretrained(base, "{path}")
+tokenizer = AutoTokenizer.from_pretrained("{path}")
+"""
+
 
 def last_adapter_is_peft(plan) -> bool:
     return bool(plan.stages) and bool(getattr(plan.stages[-1].adapter.reg.cls, "peft", False))
 
 
 class AdapterExporter(Component):
-    """The trained adapter as a peft folder, with the tokenizer beside it."""
+    """The trained adapter as a peft folder, with the tokenizer and a model card beside it."""
 
     name = "adapter"
 
@@ -29,6 +40,10 @@ class AdapterExporter(Component):
         ctx.path.mkdir(parents=True, exist_ok=True)
         ctx.model.save_pretrained(ctx.path)
         ctx.tokenizer.save_pretrained(ctx.path)
+        config = ctx.model.peft_config[ctx.model.active_adapter]
+        base = config.base_model_name_or_path or "path/to/base-model"
+        write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
+                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=ctx.path))
         return ctx.path
 
 

@@ -1,0 +1,69 @@
+"""The model card (README.md) the exporters write beside a model: where it came from (base model,
+plan fingerprint, data files with their hashes, stages, evaluation results), how the export was
+verified, and how to load it. The YAML front matter is written by ``huggingface_hub``'s
+``ModelCardData``, so the Hub and ``ModelCard.load`` read it; ``ftcore`` in it holds the same
+provenance for programs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[str], usage: str,
+               verification: dict[str, Any] | None = None) -> Path:
+    """Write ``folder/README.md`` (replacing the one peft writes) and return its path."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    p = ctx.provenance or {}
+    data = ModelCardData(library_name=library, base_model=base_model_id(p.get("base_model") or {}),
+                         tags=["ftcore", *tags],
+                         ftcore={"version": p.get("ftcore_version"), "plan_fingerprint": p.get("plan_fingerprint"),
+                                 "data_files": p.get("data_files", {}), "verification": verification or {}})
+    body = [f"# {ctx.run.plan.run_name}: {title}", "",
+            f"Trained with ftcore {p.get('ftcore_version') or ''} from a plan with fingerprint "
+            f"`{p.get('plan_fingerprint')}` (sha256 of the plan's content).", ""]
+    body += _section("Base model", ["key", "value"], [(k, f"`{v}`") for k, v in (p.get("base_model") or {}).items()])
+    body += _section("Stages", ["stage", "trainer", "adapter", "data"],
+                     [(s.get("name"), s.get("trainer"), s.get("adapter"), s.get("data")) for s in p.get("stages", [])])
+    body += _section("Data", ["file", "data", "sha256", "bytes"],
+                     [(Path(f).name, d.get("data"), f"`{d.get('sha256')}`", d.get("bytes"))
+                      for f, d in p.get("data_files", {}).items()])
+    body += _metrics(p.get("metrics") or {})
+    if verification:
+        body += _section("Verification", ["check", "value"], [(k, _fmt(v)) for k, v in verification.items()])
+    body += ["## How to load", "", "```python", usage.strip(), "```", ""]
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
+    path = folder / "README.md"
+    card.save(path)
+    return path
+
+
+def base_model_id(section: dict[str, Any]) -> str | None:
+    """The hub id or folder the plan's ``[model]`` loaded (``hf``'s ``path``); None for a model made from scratch."""
+    path = section.get("path")
+    return path if isinstance(path, str) else None
+
+
+def _metrics(metrics: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Evaluation results, one row per evaluation and metric, one column per phase (before, ..., after)."""
+    phases = list(metrics)
+    rows: dict[str, dict[str, Any]] = {}
+    for phase, evaluations in metrics.items():
+        for evaluation, values in evaluations.items():
+            for metric, value in (values or {}).items():
+                rows.setdefault(f"{evaluation}/{metric}", {})[phase] = value
+    return _section("Evaluation", ["metric", *phases],
+                    [(name, *(_fmt(v.get(ph, "")) for ph in phases)) for name, v in rows.items()])
+
+
+def _section(title: str, header: list[str], rows: list[tuple]) -> list[str]:
+    if not rows:
+        return []
+    lines = [f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

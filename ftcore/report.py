@@ -127,7 +127,8 @@ def evaluation_table(run: RunFiles) -> Table | None:
     columns, rows = evaluation_rows(run.evaluations)
     if not rows:
         return None
-    note = "change: the last phase with a value minus the first" if len(columns) > 5 else ""
+    phases = len(columns) - 3  # besides evaluation, metric and change
+    note = "change: the last phase with a value minus the first" if phases > 2 else ""
     return Table("Evaluations", columns, rows, note)
 
 

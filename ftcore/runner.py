@@ -318,7 +318,7 @@ class Runner:
 
     def _full_precision_base(self, state: ModelState) -> Any:
         """The model ``state``'s adapter was applied to, rebuilt with the quantizer skipped."""
-        none = self.pm.registry.resolve("quantizer", "none").cls
+        none = self.pm.registry().resolve("quantizer", "none").cls
         quantizer, cached = self.quantizer, self._base
         self.quantizer, self._base = none(none.Options()), None
         try:

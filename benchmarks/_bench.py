@@ -1,0 +1,119 @@
+"""What the training benchmarks share: per-step wall times and token counts recorded inside the
+Trainer (the same instrument in every arm), ftcore runs in-process, and the machine they ran on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "fixtures"
+
+
+class StepRecorder(TrainerCallback):
+    """Installed into ``transformers.trainer.DEFAULT_CALLBACKS``, so every Trainer built afterwards,
+    ftcore's or a raw TRL one, carries it as its first callback. Per step: the time of
+    ``on_step_begin`` (a step's time is the gap to the next one: forward, backward, optimizer and
+    every callback and log of that step, and loading the next batch) and the tokens the model's
+    forward saw (``real``: not padding by the attention mask; ``total``: every position)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.begins: list[float] = []
+        self.real: list[int] = []
+        self.total: list[int] = []
+        self.losses: dict[int, float] = {}
+        self.end: float | None = None
+        self._hook = None
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.reset()
+        self._hook = model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def _count(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if ids is None or not self.real:
+            return
+        self.total[-1] += ids.numel()
+        self.real[-1] += int(mask.sum()) if mask is not None else ids.numel()  # padding-free: no pads
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.begins.append(time.perf_counter())
+        self.real.append(0)
+        self.total.append(0)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = float(logs["loss"])
+
+    def on_train_end(self, args, state, control, **kw):
+        self.end = time.perf_counter()
+        if self._hook is not None:
+            self._hook.remove()
+
+    def step_seconds(self, skip: int = 0) -> list[float]:
+        """Each step's time after the first ``skip`` (warm-up); the last step, whose end is the save
+        and teardown, is not timed."""
+        return [b - a for a, b in zip(self.begins[skip:], self.begins[skip + 1:])]
+
+    def install(self) -> StepRecorder:
+        import transformers.trainer
+
+        defaults = transformers.trainer.DEFAULT_CALLBACKS
+        defaults[:] = [c for c in defaults if not isinstance(c, StepRecorder)] + [self]  # one recorder at a time
+        return self
+
+
+def run_ftcore(plan_path: Path) -> dict[str, Any]:
+    """``ftcore run PLAN`` in this process (the CLI's own path: plugin manager, plan, Runner), with the
+    console drawn as on a terminal into /dev/null, so the progress bar costs what it costs a user."""
+    from rich.console import Console
+
+    from ftcore.plan import load_plan
+    from ftcore.plugins import get_plugin_manager
+    from ftcore.runner import Runner
+
+    pm = get_plugin_manager()
+    plan = load_plan(str(plan_path), pm.registry())
+    with open(os.devnull, "w") as sink, quiet():
+        return Runner(plan, pm, Console(file=sink, force_terminal=True, width=120)).run()
+
+
+@contextlib.contextmanager
+def quiet():
+    """Library prints and progress bars (tqdm writes to stderr) go to /dev/null, in every arm alike."""
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        yield
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> str:
+    """CPU model, cores, RAM, load, and the library versions: one line for RESULTS.md."""
+    import importlib.metadata as md
+
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    ram = ""
+    with contextlib.suppress(OSError, ValueError):
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        ram = f", {kb / 2**20:.0f} GiB RAM"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    versions = ", ".join(f"{d} {md.version(d)}" for d in ("torch", "transformers", "trl", "peft"))
+    return f"{cpu}, {os.cpu_count()} cores{ram}; load average {load:.1f} at the end; {versions}"

@@ -1,0 +1,89 @@
+"""The benchmark scripts run at tiny sizes, and what they print agrees with what they measured."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def bench(script: str, *args: str, timeout: int = 600) -> str:
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """The cells of every markdown table row but headers and separators."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
+    return [r for r in rows if not set("".join(r)) <= set("-:") and r[0] not in ("run", "arm", "command")]
+
+
+@pytest.mark.slow
+def test_gpu_throughput_tiny_mode(tmp_path):
+    steps, warmup = 5, 1
+    out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", str(steps), "--warmup",
+                str(warmup), "--peak-tflops", "0.001", "--json", str(tmp_path / "r.json"))
+    measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
+    rows = table_rows(out)
+    assert [r[:2] for r in rows] == [["tiny-lora-128", "HF+TRL defaults"], ["tiny-lora-128", "ftcore"]]
+    base, ours = measured["baseline"], measured["ftcore"]
+    for row, arm in zip(rows, (base, ours)):
+        timed = arm["tokens_per_step"][warmup:warmup + arm["timed_steps"]]
+        assert arm["timed_steps"] == steps - warmup - 1  # the last step is not timed
+        assert arm["timed_tokens"] == sum(timed) > 0
+        assert float(row[2]) == pytest.approx(arm["tokens_per_s"], abs=0.5)
+        assert float(row[4]) == pytest.approx(arm["peak_gib"], abs=0.005)
+        # LoRA r=16 on every linear layer of 2 layers, hidden 64, 2 of 4 heads for k/v (32), MLP 256:
+        # r x (in + out) per layer: q, k, v, o, gate, up, down.
+        assert arm["n_trainable"] == 2 * 16 * (128 + 96 + 96 + 128 + 320 + 320 + 320)
+        flops = 4 * arm["n_matmul"] + 2 * arm["n_trainable"]
+        assert arm["mfu"] == pytest.approx(arm["tokens_per_s"] * flops / 1e9, rel=1e-9)
+        assert float(row[6].rstrip("%")) == pytest.approx(100 * arm["mfu"], abs=0.05)
+        assert len(arm["losses"]) == steps  # a loss per step, for the parity column
+    assert rows[0][3] == "1.00"
+    assert float(rows[1][3]) == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"], abs=0.005)
+    # ftcore packs padding-free: every position it computed is a real token; the baseline pads.
+    assert ours["tokens_per_step"] == ours["positions_per_step"]
+    assert sum(base["tokens_per_step"]) < sum(base["positions_per_step"])
+
+
+@pytest.mark.slow
+def test_overhead_arms_do_the_same_work(tmp_path):
+    out = bench("overhead.py", "--blocks", "2", "--steps", "5", "--warmup", "2", "--rows", "200",
+                "--json", str(tmp_path / "r.json"))
+    measured = json.loads((tmp_path / "r.json").read_text())
+    assert "same tokens at every step: True" in out
+    assert measured["ftcore_real"] == measured["raw_real"] and min(measured["raw_real"][0]) > 0
+    assert len(measured["ftcore_ms"]) == len(measured["raw_ms"]) == 2 * 5
+    ratio = float(out.split("ratio ftcore/raw of the median step time: ")[1].split()[0])
+    assert ratio == pytest.approx(statistics.median(measured["ftcore_ms"]) / statistics.median(measured["raw_ms"]),
+                                  abs=5e-4)
+
+
+@pytest.mark.slow
+def test_packing_counts_every_real_token_once(tmp_path):
+    out = bench("packing.py", "--rows", "40", "--rounds", "1", "--max-length", "256", "--json", str(tmp_path / "r.json"))
+    measured = json.loads((tmp_path / "r.json").read_text())
+    # One epoch in each arm: the forward saw exactly the tokens of the prepared data set, once.
+    assert measured["real"]["True"] == measured["real"]["False"] == [measured["report"]["tokens"]]
+    assert measured["padding"]["True"] == 0.0 < measured["padding"]["False"]
+    ratio = float(out.split("ratio packed/unpacked tokens/s: ")[1].split()[0])
+    assert ratio == pytest.approx(measured["tokens_per_s"]["True"] / measured["tokens_per_s"]["False"], abs=0.005)
+
+
+@pytest.mark.slow
+def test_cli_startup_table():
+    rows = table_rows(bench("cli_startup.py", "--repeat", "1"))
+    names = [r[0] for r in rows]
+    assert names[:3] == ["ftcore --help", "ftcore plugins", "ftcore validate quickstart"]
+    assert "import torch, transformers, trl, peft" in names[3] and rows[3][3] == "1.00"
+    for r in rows:
+        assert float(r[3]) == pytest.approx(float(r[1]) / float(rows[3][1]), abs=0.02)

@@ -71,15 +71,18 @@ class OnnxExporter(Component):
         # Two separate tensors: the exporter treats one tensor passed twice as one input.
         ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
         example = (ids, torch.ones_like(ids))
-        model.eval()  # a copy: merge_verified never hands back ctx.model for float32
         ctx.path.mkdir(parents=True, exist_ok=True)
-        with quiet("onnxscript", "onnx_ir"):  # their INFO lines, one per optimisation pass, would fill run.log
-            torch.onnx.export(logits_only(model), example, ctx.path / FILE,
-                              input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                              dynamic_shapes={"input_ids": {0: batch, 1: sequence},
-                                              "attention_mask": {0: batch, 1: sequence}},
-                              opset_version=self.options.opset, dynamo=True, verbose=False)
-        check = self.verify(ctx, model)
+        training = model.training  # it can be ctx.model itself (no adapter to merge): put its mode back
+        try:
+            with quiet("onnxscript", "onnx_ir"):  # their INFO lines, one per optimisation pass, would fill run.log
+                torch.onnx.export(logits_only(model), example, ctx.path / FILE,
+                                  input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                                  dynamic_shapes={"input_ids": {0: batch, 1: sequence},
+                                                  "attention_mask": {0: batch, 1: sequence}},
+                                  opset_version=self.options.opset, dynamo=True, verbose=False)
+            check = self.verify(ctx, model)
+        finally:
+            model.train(training)
         ctx.tokenizer.save_pretrained(ctx.path)
         model.config.save_pretrained(ctx.path)
         model.generation_config.save_pretrained(ctx.path)

@@ -14,10 +14,12 @@ import shutil
 
 import pytest
 
+import ftcore
+from ftcore.errors import FtcoreError
+from ftcore_plugins.adapter_lora import LoraAdapter
+
 from conftest import chat_rows, run_cli, write_jsonl
 from test_quantizers import tiny_llama  # noqa: F401 - the module-scoped fixture, reused
-
-pytestmark = pytest.mark.slow
 
 PROMPTS = [[{"role": "user", "content": "Which is an animal? red fox tree"}],
            [{"role": "user", "content": "Which is an animal? the blue bird sees a stone"}]]
@@ -79,6 +81,7 @@ def load_card(folder):
     return ModelCard.load(folder / "README.md")
 
 
+@pytest.mark.slow
 def test_lora_run_exports_a_merged_folder_an_adapter_and_onnx_that_their_libraries_load(tiny_project):
     import numpy as np
     import onnxruntime
@@ -198,6 +201,7 @@ use = "adapter"
 """
 
 
+@pytest.mark.slow
 def test_qlora_merged_export_merges_into_the_full_precision_base(tmp_path, tiny_llama):  # noqa: F811
     pytest.importorskip("bitsandbytes")
     from peft import PeftModel
@@ -247,15 +251,66 @@ def test_qlora_merged_export_merges_into_the_full_precision_base(tmp_path, tiny_
           f"{recorded['max_abs_logit_diff_vs_quantized_adapter']:.3g})")
 
 
-def test_a_merge_outside_its_tolerance_fails_in_one_line_and_writes_nothing(tiny_project):
-    # bfloat16 rounds every weight, so the saved model's logits cannot stay within 1e-9 of the adapter model's.
-    plan = tiny_project('[[stage]]\ntrainer = "sft"\ndata = "chat"\nadapter = { use = "lora", r = 4 }\n'
-                        'max_steps = 1\nbatch_size = 4\nmax_length = 64\n\n'
-                        '[[export]]\nuse = "merged"\ndtype = "bfloat16"\ntolerance = 1e-9\n')
-    result = run_cli("run", str(plan))
+ONE_LORA_STAGE = """
+[[stage]]
+trainer = "sft"
+data = "chat"
+adapter = { use = "%s", r = 4 }
+max_steps = 1
+batch_size = 4
+max_length = 64
+
+[[export]]
+use = "merged"
+"""
+
+
+@pytest.mark.slow
+def test_a_merge_outside_its_tolerance_exits_2_in_one_line_and_writes_nothing(tiny_project):
+    # float32 rounding moves a merged model's logits a little (about 1e-7 here): never within 0.
+    result = run_cli("run", str(tiny_project(ONE_LORA_STAGE % "lora" + "tolerance = 0\n")))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "exporter 'merged'" in lines[0] and "above tolerance 1e-09" in lines[0], result.stderr
+    assert len(lines) == 1 and "exporter 'merged'" in lines[0] and "above tolerance 0;" in lines[0], result.stderr
+    assert not (tiny_project.dir / "runs" / "tiny" / "exports" / "merged").exists()
+
+
+class BrokenMergeLora(LoraAdapter):
+    """LoRA whose merge folds in twice the trained update: what the verification must catch."""
+
+    name = "broken-merge-lora"
+
+    def merge(self, model):
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.mul_(2)
+        return model.merge_and_unload()
+
+
+class BrokenMergePlugin:
+    @ftcore.hookimpl
+    def register_adapters(self, register):
+        register(BrokenMergeLora)
+
+
+@pytest.mark.slow
+def test_a_wrong_merge_is_caught_by_the_verification(tiny_project):
+    from rich.console import Console
+
+    from ftcore.plan import load_plan
+    from ftcore.plugins import PluginInfo, get_plugin_manager
+    from ftcore.runner import Runner
+
+    pm = get_plugin_manager(entry_points=False)
+    pm.add_plugin(BrokenMergePlugin(), PluginInfo("broken", "ftcore-tests", "0", "entry point"))
+    pm.check_pending()
+    plan = load_plan(tiny_project(ONE_LORA_STAGE % "broken-merge-lora"), pm.registry())
+    with pytest.raises(FtcoreError) as err, open(tiny_project.dir / "console.txt", "w") as out:
+        Runner(plan, pm, Console(file=out, width=200)).run()
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("exporter 'merged': the merged model's logits differ from "
+                                                       "the trained adapter model's by up to ")
+    assert float(message.split("by up to ")[1].split()[0]) > 1e-3  # the doubled update, far above 1e-4
     assert not (tiny_project.dir / "runs" / "tiny" / "exports" / "merged").exists()
 
 

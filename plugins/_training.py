@@ -47,6 +47,10 @@ def training_problems(component: Any, plan: Any) -> list[str]:
     problems = []
     if o.warmup_ratio and o.warmup_steps:
         problems.append("warmup_steps: set warmup_ratio or warmup_steps, not both")
+    d = getattr(plan, "distributed", None)
+    if o.guard_nan == "skip" and d is not None and d.wanted and d.engine == "deepspeed":
+        problems.append("guard_nan: \"skip\" cannot drop a step's gradients under DeepSpeed (they live in its "
+                        "partitions until its optimizer step); use \"stop\" with engine = \"deepspeed\"")
     if o.precision == "fp16" and not _gpu_visible():
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
     for stage in stages:
@@ -180,7 +184,99 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         disable_tqdm=True,
         seed=ctx.seed,
         dataloader_pin_memory=torch.cuda.is_available(),
+        **distributed_arguments(ctx.run),
     )
+
+
+def distributed_arguments(run: Any) -> dict[str, Any]:
+    """TrainingArguments for the plan's ``[distributed]`` engine when the run has several processes."""
+    d = getattr(run.plan, "distributed", None)
+    if run.world_size == 1 or d is None or d.accelerate_config is not None:
+        return {}  # an accelerate config: `accelerate launch` passed its engine to the workers' environment
+    import torch
+
+    args: dict[str, Any] = {"ddp_backend": d.resolved_backend()}
+    if not torch.cuda.is_available() and d.engine != "deepspeed":
+        args["use_cpu"] = True  # accelerate treats several CPU processes as distributed only when told
+    if d.engine == "deepspeed":
+        args["deepspeed"] = str(d.deepspeed_config) if d.deepspeed_config else deepspeed_config(d)
+    elif d.engine == "fsdp":
+        from ftcore.launch import FSDP2_SHARDING
+
+        args["fsdp"] = True
+        args["fsdp_config"] = {
+            "version": 2, "reshard_after_forward": FSDP2_SHARDING[d.fsdp_sharding], "cpu_offload": d.offload_params,
+            # every rank writes its shard (torch.distributed.checkpoint); a full state dict is gathered
+            # once, at the end of the stage, for the stage output and exports
+            "state_dict_type": "SHARDED_STATE_DICT",
+            # transformer_layer wraps each of the model's _no_split_modules (its decoder layers)
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if d.fsdp_wrap == "transformer_layer" else "SIZE_BASED_WRAP"}
+    return args
+
+
+def deepspeed_config(d: Any) -> dict[str, Any]:
+    """A DeepSpeed config from the plan; "auto" values are filled by transformers from the stage's options."""
+    zero: dict[str, Any] = {"stage": d.zero_stage}
+    if d.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if d.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    if d.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # checkpoints and exports get full weights
+    # No train_batch_size: DeepSpeed derives it from these and the world size it sees.
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+
+
+def _fsdp_on_cpu(trainer: Any) -> None:
+    """accelerate turns FSDP on only for accelerator devices and keeps several CPU processes on DDP,
+    though torch's FSDP2 shards over gloo; CPU runs (the tests' parity runs) get the FSDP they asked for."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if trainer.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    state.distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+
+
+def meta_copy(model: Any) -> Any:
+    """The model's structure with its weights on the meta device (no memory): a plain model to load
+    consolidated weights into once a sharding engine has taken the trained one apart."""
+    import copy
+
+    import torch
+
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def consolidated(trainer: Any, skeleton: Any) -> Any | None:
+    """The trained model as a plain, whole model on every rank, when FSDP or ZeRO-3 sharded its weights
+    (None when they are whole already: DDP, ZeRO-2), so evaluations, the stage output and exports see
+    the full weights."""
+    ds = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+    if trainer.is_fsdp_enabled:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    elif ds is not None and ds.zero_stage == 3:
+        import deepspeed
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        module = trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        unset_hf_deepspeed_config()  # later from_pretrained calls must not partition their models
+    else:
+        return None
+    skeleton.load_state_dict(state, assign=True)
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()  # assign=True gave tied weights separate tensors
+    return skeleton.to(next(iter(state.values())).device)
 
 
 def strip_forward_patches(model: Any) -> Any:
@@ -226,6 +322,7 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         trainer_kwargs.setdefault("optimizer_cls_and_kwargs", ((lambda: lambda model: build(model, args)), {}))
     counts = trainable_counts(ctx.model)
     ctx.reporter.log(ctx.stage, counts, step=0)
+    skeleton = meta_copy(ctx.model) if ctx.run.world_size > 1 else None
     evaluating = evaluation is not None
     progress = progress_callback(ctx.reporter, ctx.stage)
     stop = GracefulStop()
@@ -238,6 +335,7 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     trainer = trainer_cls(model=ctx.model, args=args, train_dataset=train, eval_dataset=evaluation,
                           processing_class=ctx.tokenizer, callbacks=callbacks, **trainer_kwargs)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    _fsdp_on_cpu(trainer)
     guard = StabilityGuard(ctx.reporter, ctx.stage, nan=o.guard_nan, spike_factor=o.guard_spike_factor,
                            window=o.guard_spike_window, max_grad_norm=o.guard_max_grad_norm)
     trainer.add_callback(attach_guard(trainer, guard))
@@ -262,6 +360,8 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         trainer._load_best_model()  # the Trainer's own loader: full weights or adapter, as it saved them
     # The next stage gets the model without the trainer's per-instance forward patches.
     ctx.model = strip_forward_patches(trainer.model) if strip_patches else trainer.model
+    if skeleton is not None:
+        ctx.model = consolidated(trainer, skeleton) or ctx.model
     steps = result.global_step - trainer._initial_global_step  # this process's steps (after a resume: since it)
     trained = steps - guard.skipped
     metrics: dict[str, Any] = {

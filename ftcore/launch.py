@@ -1,0 +1,257 @@
+"""Scaling a run out: the plan's ``[distributed]`` section, and ``ftcore run`` re-run under torchrun.
+
+``ftcore run`` with more than one process starts ``python -m torch.distributed.run ... -m ftcore run
+<same arguments>`` and waits: each worker runs the whole plan, rank 0 alone writes and prints. Nothing
+here imports torch at module level, so ``ftcore validate`` and ``--help`` stay light.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .types import InputPath
+
+# Set by the launcher in the workers it starts: where they leave their exit codes and, for ranks
+# above 0, their stderr. A worker started by a user's own torchrun has LOCAL_RANK instead.
+LAUNCH_DIR = "FTCORE_LAUNCH_DIR"
+ENGINE_KEYS = {"deepspeed": ("zero_stage", "offload_optimizer", "deepspeed_config"),
+               "fsdp": ("fsdp_sharding", "fsdp_wrap")}
+# FSDP2 (the only FSDP transformers 5 keeps) shards fully or keeps parameters gathered between
+# forward and backward; FSDP1's hybrid and no-shard strategies are gone.
+FSDP2_SHARDING = {"full_shard": True, "shard_grad_op": False}
+
+
+class Distributed(BaseModel):
+    """The ``[distributed]`` section. Not part of the plan fingerprint: the same run may be resumed
+    on other hardware."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: Literal["ddp", "fsdp", "deepspeed"] = "ddp"
+    nproc_per_node: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    node_rank: int = Field(0, ge=0)
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(29500, ge=1, le=65535)
+    rdzv_endpoint: str | None = None  # host:port of a c10d rendezvous (elastic), instead of master_addr/port
+    rdzv_backend: Literal["static", "c10d"] = "static"
+    zero_stage: Literal[2, 3] = 2
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    fsdp_sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard", "no_shard"] = "full_shard"
+    fsdp_wrap: Literal["transformer_layer", "size"] = "transformer_layer"
+    deepspeed_config: InputPath | None = None  # a DeepSpeed JSON, passed to transformers as it is
+    accelerate_config: InputPath | None = None  # an accelerate config: launched with `accelerate launch`
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
+
+    @property
+    def processes(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    @property
+    def wanted(self) -> bool:
+        """More than one process, or an accelerate config that decides how many."""
+        return self.processes > 1 or self.accelerate_config is not None
+
+    def problems(self, plan: Any = None) -> list[str]:
+        """``"key: message"`` for settings that do not go together (nothing is imported)."""
+        out = []
+        chosen = self.model_fields_set
+        if self.node_rank >= self.nnodes:
+            out.append(f"node_rank: must be below nnodes ({self.nnodes}), got {self.node_rank}")
+        if self.rdzv_backend == "c10d" and not self.rdzv_endpoint:
+            out.append("rdzv_backend: \"c10d\" needs rdzv_endpoint = \"<host>:<port>\"")
+        for engine, keys in ENGINE_KEYS.items():
+            out += [f"{key}: only used with engine = \"{engine}\" (engine is \"{self.engine}\")"
+                    for key in keys if key in chosen and self.engine != engine]
+        if self.offload_params and self.engine == "ddp":
+            out.append("offload_params: only used with engine = \"deepspeed\" or \"fsdp\"")
+        if self.engine == "fsdp" and self.fsdp_sharding not in FSDP2_SHARDING:
+            out.append(f"fsdp_sharding: \"{self.fsdp_sharding}\" was FSDP1's; transformers 5 runs FSDP2, which "
+                       "supports \"full_shard\" and \"shard_grad_op\" (for no sharding use engine = \"ddp\")")
+        if self.engine == "fsdp" and self.offload_optimizer:
+            out.append("offload_optimizer: FSDP offloads parameters, gradients and the optimizer step together; "
+                       "set offload_params = true instead")
+        if self.engine == "deepspeed":
+            if importlib.util.find_spec("deepspeed") is None:
+                out.append("engine: \"deepspeed\" needs DeepSpeed, which is not installed; "
+                           "install it with: pip install 'ftcore[distributed]'")
+            if self.offload_params and self.zero_stage != 3:
+                out.append("offload_params: DeepSpeed offloads parameters only with zero_stage = 3")
+            if self.deepspeed_config is not None:
+                out += [f"{key}: set in your deepspeed_config instead (it is used as it is)"
+                        for key in ("zero_stage", "offload_optimizer", "offload_params") if key in chosen]
+        if self.accelerate_config is not None:
+            out += [f"{key}: the accelerate_config decides it; remove it here"
+                    for key in ("engine", "nproc_per_node", "backend") if key in chosen]
+        if plan is not None and self.engine in ("fsdp", "deepspeed") and self.wanted \
+                and plan.quantizer.name != "none":
+            out.append(f"engine: \"{self.engine}\" does not shard quantized weights; use engine = \"ddp\" with "
+                       f"quantizer '{plan.quantizer.name}'")
+        return out
+
+    def resolved_backend(self) -> str:
+        import torch
+
+        return self.backend if self.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+# -- the launcher ------------------------------------------------------------------------------
+def is_worker() -> bool:
+    """A process a launcher (ours, torchrun or accelerate) started: it runs the plan itself."""
+    return LAUNCH_DIR in os.environ or "LOCAL_RANK" in os.environ
+
+
+def launcher_command(d: Distributed, argv: list[str]) -> list[str]:
+    """``torchrun`` (or ``accelerate launch`` for an accelerate config) re-running ``ftcore`` with ``argv``."""
+    if d.accelerate_config is not None:
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(d.accelerate_config),
+                "--num_machines", str(d.nnodes), "--machine_rank", str(d.node_rank),
+                "--main_process_ip", d.master_addr, "--main_process_port", str(d.master_port),
+                "-m", "ftcore", *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(d.nproc_per_node),
+           "--nnodes", str(d.nnodes)]
+    if d.rdzv_endpoint:
+        cmd += ["--rdzv-backend", d.rdzv_backend, "--rdzv-endpoint", d.rdzv_endpoint]
+        if d.rdzv_backend == "static":
+            cmd += ["--node-rank", str(d.node_rank)]
+    else:
+        cmd += ["--node-rank", str(d.node_rank), "--master-addr", d.master_addr, "--master-port", str(d.master_port)]
+    return [*cmd, "-m", "ftcore", *argv]
+
+
+def launch(d: Distributed, argv: list[str]) -> int:
+    """Run ``ftcore argv`` in ``d.processes`` workers and return the run's exit code: the lowest rank's
+    non-zero code (2 bad input, 1 a component failed, 130/143 a signal), else 0. SIGINT and SIGTERM
+    are forwarded once to the launcher, which passes them to the workers (they stop at a step boundary
+    with a checkpoint). If this process dies, the launcher and the workers die with it."""
+    with tempfile.TemporaryDirectory(prefix="ftcore-launch-") as folder:
+        env = {**os.environ, LAUNCH_DIR: folder, "PYTHONUNBUFFERED": "1"}
+        # A session of its own: a Ctrl-C reaches the workers once, through us, not also from the terminal.
+        proc = subprocess.Popen(launcher_command(d, argv), env=env, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+        previous = {sig: signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        first = d.node_rank * d.nproc_per_node  # the global ranks on this node (static rendezvous)
+        return _collect(Path(folder), code, range(first, first + d.nproc_per_node)
+                        if d.accelerate_config is None and d.rdzv_backend == "static" else range(0))
+
+
+def _collect(folder: Path, launcher_code: int, ranks: range) -> int:
+    codes = {int(p.name[5:]): int(p.read_text() or 1) for p in folder.glob("exit-*")}
+    failed = sorted(rank for rank, code in codes.items() if code)
+    if not failed and launcher_code == 0:
+        return 0
+    # A rank that left no exit code crashed (the launcher then stopped the others): show its stderr.
+    # Rank 0 printed its own error on the console.
+    crashed = [r for r in ranks if r not in codes]
+    for rank in crashed:
+        log = folder / f"rank-{rank}.log"
+        tail = log.read_text(errors="replace").strip().splitlines()[-15:] if log.exists() else []
+        print(f"error: rank {rank} crashed" + ("; the end of its stderr:" if tail else ""), *tail, sep="\n",
+              file=sys.stderr)
+    if crashed:
+        return 1
+    return codes[failed[0]] if failed else (launcher_code if launcher_code > 0 else 128 - launcher_code)
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies, so no worker outlives a killed run."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: workers end when their collectives fail
+        pass
+
+
+# -- in a worker -------------------------------------------------------------------------------
+def start_worker(d: Distributed | None) -> None:
+    """Set up a worker process: quiet ranks above 0, and the process group (so the runner can share
+    rank 0's run-directory decision before anything is read)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if LAUNCH_DIR in os.environ:
+        _die_with_parent()
+        if os.getppid() == 1:  # the launcher died before we got here
+            os._exit(137)
+    if rank > 0:
+        _quiet(rank)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            backend = (d or Distributed()).resolved_backend()
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                backend = "cuda:nccl,cpu:gloo"  # as accelerate does: FSDP gathers full state dicts on the CPU
+            dist.init_process_group(backend)
+
+
+def _quiet(rank: int) -> None:
+    """Ranks above 0 print nothing: stdout is dropped, and stderr (warnings, library logs, progress
+    bars) goes to a file the launcher shows only if this rank fails on its own."""
+    import warnings
+
+    os.environ.update(TRANSFORMERS_VERBOSITY="error", DATASETS_VERBOSITY="error", TQDM_DISABLE="1",
+                      HF_DATASETS_DISABLE_PROGRESS_BARS="1", ACCELERATE_LOG_LEVEL="error")
+    warnings.simplefilter("ignore")
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    folder = os.environ.get(LAUNCH_DIR)
+    if folder:
+        sys.stderr.flush()
+        log = os.open(Path(folder) / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log, 2)
+
+
+def record_exit(code: int) -> None:
+    """A worker's exit code, for the launcher (torchrun itself only says that some worker failed)."""
+    folder = os.environ.get(LAUNCH_DIR)
+    if folder:
+        (Path(folder) / f"exit-{os.environ.get('RANK', '0')}").write_text(str(code))
+
+
+def from_main(fn: Any, world_size: int) -> Any:
+    """Run ``fn`` on rank 0 alone and give every rank its result, or raise its ``FtcoreError`` on every
+    rank (a refused run directory stops all workers, not only the one that checked)."""
+    from .errors import FtcoreError
+
+    if world_size == 1:
+        return fn()
+    import torch.distributed as dist
+
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [("ok", fn())]
+        except BaseException as exc:  # the others wait for word from rank 0: never leave them hanging
+            dist.broadcast_object_list([("error", str(exc) or type(exc).__name__)], src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise FtcoreError(value)
+    return value
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -121,6 +121,7 @@ class ExportContext:
     template: Any
     adapter: Any | None  # the adapter component whose weights are live on ``model``, if any
     path: Path
+    name: str = "export"  # the [[export]] entry's name: its step is "export:<name>"
     # base_model (the plan's [model], redacted), plan_fingerprint, data_files, metrics by phase,
     # stages and ftcore_version: what a model card records about where the model came from.
     provenance: dict[str, Any] = field(default_factory=dict)

@@ -286,7 +286,7 @@ class Runner:
         path = self.export_path(export)
         with self._step(f"export:{export.name}"):
             ctx = ExportContext(self.info, self.reporter, state.model, state.tokenizer, self.template,
-                                state.adapter.create() if state.adapter else None, path,
+                                state.adapter.create() if state.adapter else None, path, export.name,
                                 provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
                                 load_full_precision_base=lambda: self._full_precision_base(state))
             if self.info.is_main:

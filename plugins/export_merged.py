@@ -97,7 +97,7 @@ def merge_verified(ctx, dtype: str, tolerance: float | None, exporter: str) -> t
         # Information: what the requested precision costs, beyond the merge.
         record["dtype"] = dtype
         record["max_abs_logit_diff_after_cast"] = max_abs_diff(logits(merged, inputs), reference_logits)
-    ctx.reporter.log(f"export:{ctx.path.name}", {k: v for k, v in record.items() if isinstance(v, float)})
+    ctx.reporter.log(f"export:{ctx.name}", {k: v for k, v in record.items() if isinstance(v, float)})
     if diff > limit:
         raise FtcoreError(f"exporter '{exporter}': the merged model's logits differ from {record['reference']}'s "
                           f"by up to {diff:.3g} on {len(inputs)} prompts, above tolerance {limit:g}; nothing was "

@@ -113,7 +113,7 @@ class OnnxExporter(Component):
         diff = float((torch.from_numpy(onnx_logits)[keep] - reference[keep]).abs().max())
         record = {"onnxruntime max_abs_logit_diff": diff, "onnxruntime tolerance": self.options.tolerance,
                   "onnxruntime batch": list(ids.shape)}
-        ctx.reporter.log(f"export:{ctx.path.name}", {"onnxruntime_max_abs_logit_diff": diff})
+        ctx.reporter.log(f"export:{ctx.name}", {"onnxruntime_max_abs_logit_diff": diff})
         if diff > self.options.tolerance:
             raise FtcoreError(f"exporter 'onnx': onnxruntime's logits differ from transformers' by up to {diff:.3g} "
                               f"on {len(inputs)} prompts, above tolerance {self.options.tolerance:g} "

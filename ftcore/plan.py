@@ -412,7 +412,8 @@ class _Checker:
         unknown = [k for k in section if k not in fields]
         for k in unknown:
             self.problem(f"distributed.{k}", _unknown_key("unknown key", k, fields))
-        return (None if unknown else self.validated(Distributed, "distributed", section, None)) or Distributed()
+        known = {k: v for k, v in section.items() if k in fields}
+        return self.validated(Distributed, "distributed", known, None) or Distributed()
 
     def trackers(self, value: Any) -> list[Selected]:
         """``track = ["tensorboard", "mlflow"]``, or ``[track.mlflow]`` tables with options."""

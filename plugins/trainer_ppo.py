@@ -58,6 +58,10 @@ class PPOTrainer(Component):
         problems = training_problems(self, plan)
         problems += [f"{key}: not used by trainer 'ppo' (it has no eval loss to watch); remove it"
                      for key in UNUSED if key in o.model_fields_set]
+        d = getattr(plan, "distributed", None)
+        if d is not None and d.wanted:  # its own rollout loop would give every rank the same prompts
+            problems.append("trainer: 'ppo' runs in one process only; remove [distributed] (or set "
+                            "nproc_per_node = 1), or use grpo/rloo, which run distributed")
         for stage in plan.stages:
             if stage.trainer.options is o and stage.eval_data is not None:
                 problems.append("eval_data: trainer 'ppo' does not evaluate eval_data; measure the policy with "

@@ -200,6 +200,9 @@ def distributed_arguments(run: Any) -> dict[str, Any]:
         args["use_cpu"] = True  # accelerate treats several CPU processes as distributed only when told
     if d.engine == "deepspeed":
         args["deepspeed"] = str(d.deepspeed_config) if d.deepspeed_config else deepspeed_config(d)
+        if not torch.cuda.is_available():
+            _deepspeed_state_on_cpu(args["ddp_backend"])
+            args["accelerator_config"] = {"use_configured_state": True}
     elif d.engine == "fsdp":
         from ftcore.launch import FSDP2_SHARDING
 
@@ -227,6 +230,23 @@ def deepspeed_config(d: Any) -> dict[str, Any]:
     return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
             "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+
+
+def _deepspeed_state_on_cpu(backend: str) -> None:
+    """transformers starts accelerate's state for DeepSpeed without a backend, and accelerate picks one
+    only for accelerator devices: on CPU it then counts one process, and the first gather fails. A state
+    started here with the backend (kept by ``use_configured_state``) counts every process. It is started
+    afresh for each stage, so each stage's Trainer gets its own DeepSpeed plugin."""
+    import os
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as TrainingArguments sets it around the same call
+    try:
+        PartialState(backend=backend)
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
 
 
 def _fsdp_on_cpu(trainer: Any) -> None:

@@ -101,11 +101,27 @@ def test_distributed_is_not_part_of_the_fingerprint(tmp_path):
     assert two.distributed.processes == 2 and one.distributed.processes == 1
 
 
+# DeepSpeed on CPU: its CPU accelerator, gloo, and its shared-memory op (JIT-built on first use, cached).
+ENGINES = {"ddp": 'engine = "ddp"', "fsdp": 'engine = "fsdp"',
+           "zero2": 'engine = "deepspeed"\nzero_stage = 2', "zero3": 'engine = "deepspeed"\nzero_stage = 3'}
+
+
+def weight_difference(run_dir: Path, reference_dir: Path) -> float:
+    """The largest difference between the stage outputs' weights (the full weights, gathered from the
+    shards under FSDP and ZeRO-3)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(run_dir / "stages" / "pre" / "output" / "model.safetensors")
+    reference = load_file(reference_dir / "stages" / "pre" / "output" / "model.safetensors")
+    assert weights.keys() == reference.keys()
+    return max((weights[k] - reference[k]).abs().max().item() for k in weights)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.parametrize("engine", list(ENGINES))
 def test_two_processes_match_one(single, engine):
     folder, reference = single
-    plan = write_plan(folder, engine, 4, f'\n[distributed]\nengine = "{engine}"\nnproc_per_node = 2\n')
+    plan = write_plan(folder, engine, 4, f'\n[distributed]\n{ENGINES[engine]}\nnproc_per_node = 2\n')
     start = time.perf_counter()
     r = run_cli("run", str(plan))
     seconds = time.perf_counter() - start
@@ -125,14 +141,11 @@ def test_two_processes_match_one(single, engine):
     assert (checkpoint / "COMPLETE.json").exists()
     if engine == "fsdp":  # each rank wrote its shard
         assert (checkpoint / "pytorch_model_fsdp_0").is_dir()
-    # The stage output holds the full trained weights (gathered from the shards under FSDP): the
-    # model they make has the loss the last logged step had on its batch, within training noise.
-    from safetensors.torch import load_file
-
-    weights = load_file(run_dir / "stages" / "pre" / "output" / "model.safetensors")
-    reference_weights = load_file(folder / "runs" / "single" / "stages" / "pre" / "output" / "model.safetensors")
-    assert weights.keys() == reference_weights.keys()
-    assert max((weights[k] - reference_weights[k]).abs().max().item() for k in weights) < 1e-4
+    if engine.startswith("zero"):  # DeepSpeed's partitions: one optimizer state per rank
+        assert {p.name for p in (checkpoint / "global_step8").glob("*optim_states.pt")} == \
+            {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    # The stage output holds the full trained weights, the ones one process trained.
+    assert weight_difference(run_dir, folder / "runs" / "single") < 1e-4
 
 
 def _worker_pids(launcher: int) -> list[int]:
@@ -150,12 +163,15 @@ def _worker_pids(launcher: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_distributed_run_resumes(single):
+@pytest.mark.parametrize("engine", ["ddp", "zero3"])
+def test_killed_distributed_run_resumes(single, engine):
     """SIGKILL the launcher's process group after the first complete checkpoint: the workers die with
-    it, and --resume continues from that checkpoint to the losses an uninterrupted run has."""
+    it, and --resume continues from that checkpoint (ZeRO-3: each rank's partition of the weights and
+    optimizer state) to the losses and weights an uninterrupted run has."""
     folder, reference = single
-    plan = write_plan(folder, "killed", 4, '\n[distributed]\nnproc_per_node = 2\n', save=2)
-    marker = folder / "runs" / "killed" / "stages" / "pre" / "checkpoints" / "checkpoint-2" / "COMPLETE.json"
+    name = f"killed-{engine}"
+    plan = write_plan(folder, name, 4, f'\n[distributed]\n{ENGINES[engine]}\nnproc_per_node = 2\n', save=2)
+    marker = folder / "runs" / name / "stages" / "pre" / "checkpoints" / "checkpoint-2" / "COMPLETE.json"
     proc = subprocess.Popen([sys.executable, "-m", "ftcore", "run", str(plan)], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -169,7 +185,7 @@ def test_killed_distributed_run_resumes(single):
     alive = [pid for pid in family if Path(f"/proc/{pid}").exists()
              and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
     assert not alive, f"workers outlived the killed launcher: {alive}"
-    run_dir = folder / "runs" / "killed"
+    run_dir = folder / "runs" / name
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "running"  # killed, not ended
     assert not (run_dir / "stages" / "pre" / "COMPLETE.json").exists()
 
@@ -179,6 +195,7 @@ def test_killed_distributed_run_resumes(single):
     got = losses(run_dir)
     assert sorted(got) == list(range(1, 9))
     diff = max(abs(got[s] - reference[s]) for s in reference)
-    print(f"killed and resumed: max loss difference to one process {diff:.3g}")
+    print(f"{engine} killed and resumed: max loss difference to one process {diff:.3g}")
     assert diff < 1e-4
+    assert weight_difference(run_dir, folder / "runs" / "single") < 1e-4
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "complete"

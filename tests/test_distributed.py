@@ -2,7 +2,8 @@
 
 Parity: a 2-process run with half the per-device batch has the same global batch as a 1-process run, so
 its per-step losses (read from metrics.jsonl) must match. SGD keeps the comparison sharp: Adam turns
-float rounding in near-zero gradients into full-size steps.
+float rounding in near-zero gradients into full-size steps. Engines: DDP, FSDP2, DeepSpeed ZeRO-2 and
+ZeRO-3 (the first DeepSpeed run on a machine JIT-builds its shared-memory op, then cached).
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def test_two_processes_match_one(single, engine):
         assert {p.name for p in (checkpoint / "global_step8").glob("*optim_states.pt")} == \
             {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
     # The stage output holds the full trained weights, the ones one process trained.
-    assert weight_difference(run_dir, folder / "runs" / "single") < 1e-4
+    weights = weight_difference(run_dir, folder / "runs" / "single")
+    print(f"{engine}: max weight difference {weights:.3g}")
+    assert weights < 1e-4
 
 
 def _worker_pids(launcher: int) -> list[int]:
@@ -197,5 +200,7 @@ def test_killed_distributed_run_resumes(single, engine):
     diff = max(abs(got[s] - reference[s]) for s in reference)
     print(f"{engine} killed and resumed: max loss difference to one process {diff:.3g}")
     assert diff < 1e-4
-    assert weight_difference(run_dir, folder / "runs" / "single") < 1e-4
+    weights = weight_difference(run_dir, folder / "runs" / "single")
+    print(f"{engine} killed and resumed: max weight difference {weights:.3g}")
+    assert weights < 1e-4
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "complete"

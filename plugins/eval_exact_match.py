@@ -32,7 +32,8 @@ class ExactMatch(Generation):
     def sampling(self) -> dict:
         return {"do_sample": False}
 
-    def score(self, predictions: list[str], references: list[str]) -> tuple[dict[str, list[float]], dict]:
+    def score(self, predictions: list[str], references: list[str], reporter=None) -> tuple[dict[str, list[float]],
+                                                                                         dict]:
         if self.options.normalize:
             per_row = {"exact_match": [float(normalize(p) == normalize(r)) for p, r in zip(predictions, references)]}
         else:

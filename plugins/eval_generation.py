@@ -83,14 +83,14 @@ def resample(n: int, resamples: int, seed: int) -> Any:
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
 
-def corpus_bleu(predictions: list[str], references: list[str], indices: Any = None) -> tuple[float, list[float]]:
-    """sacrebleu's corpus BLEU, and its value on each bootstrap sample of rows in ``indices``.
-    The samples reuse the rows' n-gram statistics, as ``sacrebleu.significance`` does."""
+def corpus_bleu(predictions: list[str], references: list[str], indices: Any = None) -> tuple[Any, list[float]]:
+    """sacrebleu's corpus BLEU (its ``BLEUScore``), and the score of each bootstrap sample of rows in
+    ``indices``. The samples reuse the rows' n-gram statistics, as ``sacrebleu.significance`` does."""
     import numpy as np
     import sacrebleu
 
     bleu = sacrebleu.BLEU()
-    point = bleu.corpus_score(predictions, [references]).score
+    point = bleu.corpus_score(predictions, [references])
     if indices is None:
         return point, []
     stats = np.asarray(bleu._extract_corpus_statistics(predictions, [references]), dtype=np.int64)
@@ -98,7 +98,7 @@ def corpus_bleu(predictions: list[str], references: list[str], indices: Any = No
 
 
 def summarize(per_row: dict[str, list[float]], bleu_of: tuple[list[str], list[str]] | None,
-              resamples: int, confidence: float, seed: int) -> dict[str, float]:
+              resamples: int, confidence: float, seed: int, warn: Any = None) -> dict[str, float]:
     """Point values and, when ``resamples`` > 0, percentile intervals, for the per-row metrics
     and (when ``bleu_of`` gives predictions and references) corpus BLEU."""
     import numpy as np
@@ -113,7 +113,11 @@ def summarize(per_row: dict[str, list[float]], bleu_of: tuple[list[str], list[st
             out[f"{name}/ci_low"], out[f"{name}/ci_high"] = percentile_interval(values[indices].mean(axis=1),
                                                                                  confidence)
     if bleu_of is not None:
-        out["bleu"], samples = corpus_bleu(*bleu_of, indices)
+        score, samples = corpus_bleu(*bleu_of, indices)
+        out["bleu"] = score.score
+        if score.totals[-1] == 0 and warn is not None:
+            warn("bleu: no answer has 4 tokens, so corpus BLEU (up to 4-grams) is 0 whatever they say; "
+                 "rouge_l and exact match score short answers")
         if indices is not None:
             out["bleu/ci_low"], out["bleu/ci_high"] = percentile_interval(samples, confidence)
     return out
@@ -246,12 +250,13 @@ class Generation(Component):
             args["seed"] = o.seed
         return args
 
-    def score(self, predictions: list[str], references: list[str]) -> tuple[dict[str, list[float]], dict]:
+    def score(self, predictions: list[str], references: list[str], reporter: Any) -> tuple[dict[str, list[float]],
+                                                                                            dict]:
         """Per-row metrics (written with the predictions) and the reported values."""
         o, metrics = self.options, self.selected_metrics()
         per_row = row_metrics(predictions, references, metrics, o.pattern)
         report = summarize(per_row, (predictions, references) if "bleu" in metrics else None,
-                           o.bootstrap, o.confidence, o.bootstrap_seed)
+                           o.bootstrap, o.confidence, o.bootstrap_seed, reporter.warn)
         return per_row, report
 
     def evaluate(self, ctx):
@@ -261,7 +266,7 @@ class Generation(Component):
         references = [reference_text(r) for r in rows]
         predictions = generate_answers(ctx, prompts, max_new_tokens=o.max_new_tokens, batch_size=o.batch_size,
                                        label=self.name.replace("_", " "), **self.sampling())
-        per_row, report = self.score(predictions, references)
+        per_row, report = self.score(predictions, references, ctx.reporter)
         write_predictions(ctx, prompts, references, predictions, per_row)
         return {**report, "n": len(rows)}
 

@@ -86,10 +86,20 @@ def test_bootstrap_interval_brackets_the_estimate_and_narrows_with_more_rows():
     assert same["bleu/ci_low"] == pytest.approx(same["bleu"]) and same["bleu/ci_high"] == pytest.approx(same["bleu"])
 
 
+def test_bleu_of_answers_too_short_for_4_grams_is_zero_and_says_so():
+    warnings = []
+    answers = ["the fish", "the cat"]
+    report = summarize({}, (answers, answers), resamples=0, confidence=0.95, seed=0, warn=warnings.append)
+    assert report["bleu"] == sacrebleu.corpus_bleu(answers, [answers]).score == 0
+    assert len(warnings) == 1 and warnings[0].startswith("bleu: no answer has 4 tokens")
+    summarize({}, (PREDICTIONS, REFERENCES), resamples=0, confidence=0.95, seed=0, warn=warnings.append)
+    assert len(warnings) == 1
+
+
 def test_bleu_bootstrap_samples_equal_sacrebleu_on_the_resampled_rows():
     indices = resample(len(PREDICTIONS), 5, seed=3)
     point, samples = corpus_bleu(PREDICTIONS, REFERENCES, indices)
-    assert point == pytest.approx(sacrebleu.corpus_bleu(PREDICTIONS, [REFERENCES]).score)
+    assert point.score == pytest.approx(sacrebleu.corpus_bleu(PREDICTIONS, [REFERENCES]).score)
     for picked, value in zip(indices, samples):
         hyps, refs = [PREDICTIONS[i] for i in picked], [REFERENCES[i] for i in picked]
         assert value == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score)
@@ -194,7 +204,15 @@ bootstrap = 300
 def test_run_writes_predictions_equal_to_greedy_generate_and_true_metrics(tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import copy
+
     model, tokenizer, template = tiny_model
+    # The random model's greedy answer is a run of newlines, which strips to nothing: make every token
+    # that decodes to blanks unlikely (logit 0), so that the answers are words to compare.
+    model = copy.deepcopy(model)
+    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True).strip()]
+    with torch.no_grad():
+        model.get_output_embeddings().weight[blank] = 0
     model.save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     rows = chat_rows(10, seed=2)

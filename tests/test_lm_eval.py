@@ -64,7 +64,6 @@ def own_accuracy(model, tokenizer, rows, context="Question: which is an animal? 
 
 def test_tiny_local_task_accuracy_equals_own_loglikelihood_comparison(tiny_model, tmp_path):
     pytest.importorskip("lm_eval")
-    import datasets  # noqa: F401
 
     from ftcore.context import EvalContext, RunInfo
     from ftcore_plugins.eval_lm_eval import LmEval

@@ -1,0 +1,259 @@
+"""Exporter ``gguf``: the files read back with the gguf package, load in transformers' own GGUF
+reader with the same logits, and, where llama-cpp-python is installed, llama.cpp tokenizes like the
+HF tokenizer and generates the same greedy tokens as transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from conftest import SHARED, TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
+
+pytest.importorskip("gguf")
+
+PROMPTS = ["the red cat", "Which is an animal? stone dog blue", "the tree sees the"]
+
+TRAINED = """
+[[stage]]
+name = "pretrain"
+trainer = "pretrain"
+data = "text"
+adapter = "full"
+max_steps = 40
+batch_size = 8
+max_length = 64
+learning_rate = 1e-2
+logging_steps = 10
+save_steps = 40
+
+[[stage]]
+name = "sft"
+trainer = "sft"
+data = "chat"
+adapter = { use = "lora", r = 4, lora_alpha = 8 }
+max_steps = 8
+batch_size = 8
+max_length = 64
+learning_rate = 3e-3
+logging_steps = 4
+save_steps = 8
+
+[[export]]
+use = "merged"
+
+[[export]]
+use = "gguf"
+types = ["f16", "q8_0"]
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny llama pre-trained, LoRA-tuned and exported as merged transformers folder and GGUF files."""
+    folder = tmp_path_factory.mktemp("gguf-run")
+    write_jsonl(folder / "text.jsonl", text_rows(64))
+    write_jsonl(folder / "chat.jsonl", chat_rows(64))
+    write_jsonl(folder / "chat_eval.jsonl", chat_rows(16, seed=1))
+    (folder / "plan.toml").write_text(TINY_HEADER + TRAINED, encoding="utf-8")
+    r = run_cli("run", str(folder / "plan.toml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    return folder / "runs" / "tiny" / "exports"
+
+
+def reference(folder):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(folder)
+
+
+def unpermute(weights, n_head):
+    """Undo llama.cpp's q/k row order (rows 2i, 2i+1 of each head back to i, i + d/2)."""
+    d = weights.shape[0] // n_head
+    return weights.reshape(n_head, d // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def hf_name(gguf_name: str) -> str:
+    names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj"}
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    return f"{names[parts[0]]}.{parts[1]}"
+
+
+@pytest.mark.slow
+def test_gguf_reads_back_with_the_weights_tokenizer_and_template(trained):
+    import gguf
+    from gguf.quants import dequantize
+
+    model, tokenizer = reference(trained / "merged")
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    config = model.config
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    files = sorted(p.name for p in (trained / "gguf").iterdir())
+    assert files == ["README.md", "tiny-f16.gguf", "tiny-q8_0.gguf"]
+    for kind, tolerance in (("f16", 1e-3), ("q8_0", 2e-2)):
+        reader = gguf.GGUFReader(trained / "gguf" / f"tiny-{kind}.gguf")
+        field = lambda key: reader.fields[key].contents()  # noqa: E731
+        assert field("general.architecture") == "llama"
+        assert field("llama.block_count") == config.num_hidden_layers
+        assert field("llama.attention.head_count_kv") == config.num_key_value_heads
+        # Tokens in id order, exactly the HF tokenizer's vocabulary; the chat template is the plan's.
+        vocab = tokenizer.get_vocab()
+        assert field("tokenizer.ggml.tokens") == sorted(vocab, key=vocab.get)
+        assert field("tokenizer.ggml.pre") == "gpt-2"
+        assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+        assert field("tokenizer.chat_template") == tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
+        # Tied embeddings: no output.weight, llama.cpp reads token_embd for the output layer.
+        names = [t.name for t in reader.tensors]
+        assert len(names) == len(set(names)) == len(weights) - 1 and "output.weight" not in names
+        for t in reader.tensors:
+            expected = weights[hf_name(t.name)]
+            got = dequantize(t.data, t.tensor_type).reshape(expected.shape)
+            if t.name.split(".")[-2] in heads:
+                got = unpermute(got, heads[t.name.split(".")[-2]])
+            assert t.tensor_type.name == ("F32" if expected.ndim == 1 else kind.upper()), t.name
+            scale = np.abs(expected).max()
+            assert np.abs(got - expected).max() <= tolerance * scale, t.name
+
+
+@pytest.mark.slow
+def test_transformers_gguf_reader_gives_the_same_logits(trained):
+    """transformers' own GGUF loader (it undoes llama.cpp's q/k permutation itself) rebuilds the model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = reference(trained / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(trained / "gguf", gguf_file="tiny-f16.gguf", dtype=torch.float32)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(trained / "gguf", gguf_file="tiny-f16.gguf")
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        assert loaded_tokenizer(prompt)["input_ids"] == ids[0].tolist()
+        with torch.no_grad():
+            a, b = model(ids).logits, loaded(ids).logits
+        assert (a - b).abs().max() < 1e-2 * a.abs().max(), prompt
+
+
+def greedy_transformers(model, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=model.config.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def greedy_llama_cpp(llm, ids: list[int], n: int) -> list[int]:
+    """Argmax tokens from llama.cpp's own logits (no sampler, no stop on end of text)."""
+    import numpy as np
+
+    llm.reset()
+    out = []
+    tokens = list(ids)
+    for _ in range(n):
+        llm.eval(tokens if not out else [out[-1]])
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        tokens = []
+    return out
+
+
+def llama_cpp_matches(gguf_file, model, tokenizer, prompts, n=8):
+    """llama.cpp tokenizes each prompt as the HF tokenizer does and predicts the same greedy tokens."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+
+    llm = llama_cpp.Llama(str(gguf_file), n_ctx=128, logits_all=True, verbose=False, n_threads=2, seed=0)
+    for prompt in prompts:
+        ids = tokenizer(prompt)["input_ids"]
+        assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids, prompt
+        assert greedy_llama_cpp(llm, ids, n) == greedy_transformers(model, ids, n), prompt
+    return llm
+
+
+@pytest.mark.slow
+def test_llama_cpp_generates_the_same_greedy_tokens(trained):
+    model, tokenizer = reference(trained / "merged")
+    chat = [{"role": "user", "content": "Which is an animal? red fox stone"}]
+    prompts = [*PROMPTS, tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)]
+    llm = llama_cpp_matches(trained / "gguf" / "tiny-f16.gguf", model, tokenizer, prompts)
+    assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
+    # q8_0: llama.cpp loads it and its logits stay close to the f16 file's.
+    import llama_cpp
+
+    q8 = llama_cpp.Llama(str(trained / "gguf" / "tiny-q8_0.gguf"), n_ctx=128, logits_all=True, verbose=False)
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    for m in (llm, q8):
+        m.reset()
+        m.eval(ids)
+    f16, q8_0 = llm.scores[len(ids) - 1], q8.scores[len(ids) - 1]
+    assert np.abs(f16 - q8_0).max() < 0.05 * np.abs(f16).max()
+
+
+# llama itself is the trained model above (and mistral is written in llama's layout).
+ARCHITECTURES = [("mistral", "llama3", "llama-bpe"), ("qwen2", "qwen25", "qwen2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tokenizer_name,pre", ARCHITECTURES)
+def test_architectures_with_real_tokenizers(tmp_path, arch, tokenizer_name, pre):
+    """A tiny random mistral (untied output) and qwen2 (q/k/v biases) with the Llama-3 and Qwen2.5
+    tokenizers: exported without training, they load back with the same logits."""
+    if not (SHARED / "tokenizers" / tokenizer_name).exists():
+        pytest.skip("../shared fixtures absent")
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / tokenizer_name)
+    config = AutoConfig.for_model(arch, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128,
+                                  vocab_size=len(tokenizer), tie_word_embeddings=arch != "mistral",
+                                  initializer_range=0.2)  # logits far from flat, so greedy has no near-ties
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if arch == "qwen2":  # random biases, so a wrong bias layout would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "plan.toml").write_text(
+        f'[run]\nname = "tiny-{arch}"\n\n[model]\nuse = "hf"\npath = "model"\n\n[template]\nuse = "native"\n\n'
+        '[[export]]\nuse = "gguf"\ntypes = ["f16"]\n', encoding="utf-8")
+    r = run_cli("run", str(tmp_path / "plan.toml"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    path = tmp_path / "runs" / f"tiny-{arch}" / "exports" / "gguf" / f"tiny-{arch}-f16.gguf"
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == ("qwen2" if arch == "qwen2" else "llama")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == pre
+    assert reader.fields["tokenizer.chat_template"].contents() == tokenizer.chat_template
+    assert ("output.weight" in [t.name for t in reader.tensors]) == (arch == "mistral")
+
+    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    text = "Hello world, 12345 it's  2 spaces\n\nand ÄÖ 🦙 done."
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, b = model(ids).logits, loaded(ids).logits
+    assert (a - b).abs().max() < 1e-2 * a.abs().max()
+
+    if importlib.util.find_spec("llama_cpp") is not None:  # the llama.cpp check, where it is installed
+        llama_cpp_matches(path, model, tokenizer, [text, "the quick brown fox"], n=6)
+
+
+def test_validate_refuses_what_gguf_cannot_write(tiny_project):
+    bad_type = tiny_project('[[export]]\nuse = "gguf"\ntypes = ["f16", "q9_9"]\n', name="type.toml")
+    r = run_cli("validate", str(bad_type))
+    assert r.returncode == 2 and "export[0].types[1]: input should be 'f32'" in r.stdout + r.stderr, r.stdout + r.stderr
+    # check(plan) runs once the options are valid: the architecture is known from the scratch loader.
+    gpt2 = tiny_project('[[export]]\nuse = "gguf"\n', name="arch.toml")
+    gpt2.write_text(gpt2.read_text().replace('use = "scratch"', 'use = "scratch"\narchitecture = "gpt2"'))
+    r = run_cli("validate", str(gpt2))
+    assert r.returncode == 2
+    assert "export[0].use: exporter 'gguf' writes llama, mistral and qwen2 models; this model is 'gpt2'" \
+        in r.stdout + r.stderr, r.stdout + r.stderr

@@ -32,6 +32,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from _bench import StepRecorder, machine, median, quiet, run_ftcore  # noqa: E402
 
+STEP_EVENTS = ("on_step_begin", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log")
+
+
+def time_callbacks(costs: dict) -> None:
+    """Time every callback's step events in every Trainer from here on: ``costs[(arm callback class,
+    event)]`` accumulates seconds. Wraps each callback instance's methods once, then lets the
+    handler's own loop call them."""
+    import time
+
+    from transformers.trainer_callback import CallbackHandler
+
+    original = CallbackHandler.call_event
+
+    def call_event(self, event, *args, **kwargs):
+        for callback in self.callbacks:
+            if event in STEP_EVENTS and event not in vars(callback):
+                method, key = getattr(callback, event), (type(callback).__name__, event)
+
+                def timed(*a, _method=method, _key=key, **kw):
+                    start = time.perf_counter()
+                    try:
+                        return _method(*a, **kw)
+                    finally:
+                        costs[_key] = costs.get(_key, 0.0) + time.perf_counter() - start
+                setattr(callback, event, timed)
+        return original(self, event, *args, **kwargs)
+
+    CallbackHandler.call_event = call_event
+
 MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=256, max_position_embeddings=256)
 TRAIN = dict(batch_size=8, max_length=128, learning_rate=1e-3, logging_steps=10, seed=7)
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)
@@ -131,6 +160,9 @@ def main() -> None:
     os.environ.setdefault("FTCORE_CACHE_DIR", str(work / "cache"))
     write_jsonl(work / "chat.jsonl", chat_rows(args.rows))
     recorder = StepRecorder().install()
+    costs: dict[tuple[str, str], float] = {}
+    time_callbacks(costs)
+    steps_run = 0
     max_steps = args.warmup + args.steps + 1  # +1: the last step is not timed
     arms: dict[str, list[dict]] = {"ftcore": [], "raw": []}
     token_ids = None
@@ -147,6 +179,7 @@ def main() -> None:
                     raw_tokenizer = tokenizer_dir
             else:
                 result = raw_arm(work, raw_tokenizer, token_ids, max_steps, recorder)
+            steps_run += max_steps
             result["steps"] = result["steps"][args.warmup:]
             arms[arm].append(result)
 
@@ -167,6 +200,17 @@ def main() -> None:
     for name, steps in (("raw TRL SFTTrainer", raw), ("ftcore sft", ours)):
         print(f"| {name} | {median(steps) * 1e3:.2f} | {sum(steps) / len(steps) * 1e3:.2f} | {len(steps)} |")
     print()
+    print("Callbacks' step events (on_step_begin/end, on_pre_optimizer_step, on_optimizer_step, on_log), "
+          "mean per step over both arms' steps (StepRecorder is the benchmark's own):")
+    print()
+    print("| callback | ms per step |")
+    print("|---|---:|")
+    per_class: dict[str, float] = {}
+    for (name, _), total in costs.items():
+        per_class[name] = per_class.get(name, 0.0) + total
+    for name, total in sorted(per_class.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {total / (steps_run / 2) * 1e3:.3f} |")
+    print()
     print(f"ratio ftcore/raw of the median step time: {ratio:.3f} "
           f"(per block: {', '.join(f'{r:.3f}' for r in per_block)}; min {min(per_block):.3f}, "
           f"max {max(per_block):.3f}); goal <= 1.03: {'met' if ratio <= 1.03 else 'missed'}")
@@ -175,7 +219,9 @@ def main() -> None:
         args.json.write_text(json.dumps({"ratio": ratio, "per_block": per_block, "same_tokens": same_tokens,
                                          "ftcore_ms": [s * 1e3 for s in ours], "raw_ms": [s * 1e3 for s in raw],
                                          "ftcore_real": [r["real"] for r in arms["ftcore"]],
-                                         "raw_real": [r["real"] for r in arms["raw"]]}))
+                                         "raw_real": [r["real"] for r in arms["raw"]],
+                                         "callback_ms_per_step": {k: v / (steps_run / 2) * 1e3
+                                                                  for k, v in per_class.items()}}))
 
 
 if __name__ == "__main__":

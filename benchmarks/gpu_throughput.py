@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -42,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import ROOT, SHARED, StepRecorder, machine, median, quiet, run_ftcore  # noqa: E402
+from _bench import ROOT, SHARED, StepRecorder, machine, quiet, run_ftcore  # noqa: E402
 
 ARCHITECTURES = {  # transformers LlamaConfig fields
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -208,6 +209,8 @@ def baseline_arm(work: Path, folder: Path, method: str, max_length: int, batch_s
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
+        if torch.cuda.is_available():
+            kwargs["device_map"] = {"": 0}  # 4-bit weights are placed at load; the Trainer cannot move them
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)  # the Trainer moves it to the GPU
     args = SFTConfig(output_dir=str(work / "baseline"), max_steps=steps, per_device_train_batch_size=batch_size,
                      max_length=max_length, learning_rate=LEARNING_RATE, logging_steps=1, save_strategy="no",
@@ -253,6 +256,9 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
     recorder = ModelProbe().install()
     results = {}
     for arm in ("baseline", "ftcore"):
+        gc.collect()  # the previous arm's model and optimizer are gone before the peak is reset
+        if gpu:
+            torch.cuda.empty_cache()
         peak_memory_reset()
         if arm == "baseline":
             baseline_arm(work, folder, method, max_length, batch_size, args.steps, token_ids, dtype, tokenizer)
@@ -266,8 +272,6 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
                                         max_length=max_length, learning_rate=LEARNING_RATE))
             run_ftcore(plan)
         results[arm] = measure(recorder, args.warmup, method, peak_flops)
-        if gpu:
-            torch.cuda.empty_cache()
     return results
 
 
@@ -280,7 +284,8 @@ def table(results: dict[str, dict], peak_note: str) -> str:
         for label, r in (("HF+TRL defaults", b), ("ftcore", f)):
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             last = r["losses"][-10:]
-            lines.append(f"| {name} | {label} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / b['tokens_per_s']:.2f} | "
+            speed = r["tokens_per_s"] / b["tokens_per_s"]
+            lines.append(f"| {name} | {label} | {r['tokens_per_s']:.0f} | {speed:.2f} | "
                          f"{r['peak_gib']:.2f} | {r['peak_gib'] / b['peak_gib']:.2f} | {mfu} | "
                          f"{sum(last) / len(last):.4f} | {diff:.4f} |")
     return "\n".join(lines) + f"\n\nMFU = tokens/s x (4N + 2N_trainable for LoRA/QLoRA, 6N for full) / {peak_note}"

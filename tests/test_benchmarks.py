@@ -22,7 +22,8 @@ def bench(script: str, *args: str, timeout: int = 600) -> str:
 
 def table_rows(out: str) -> list[list[str]]:
     """The cells of every markdown table row but headers and separators."""
-    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in out.splitlines() if line.startswith("|")]
     return [r for r in rows if not set("".join(r)) <= set("-:") and r[0] not in ("run", "arm", "command")]
 
 
@@ -70,7 +71,8 @@ def test_overhead_arms_do_the_same_work(tmp_path):
 
 @pytest.mark.slow
 def test_packing_counts_every_real_token_once(tmp_path):
-    out = bench("packing.py", "--rows", "40", "--rounds", "1", "--max-length", "256", "--json", str(tmp_path / "r.json"))
+    out = bench("packing.py", "--rows", "40", "--rounds", "1", "--max-length", "256",
+                "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())
     # One epoch in each arm: the forward saw exactly the tokens of the prepared data set, once.
     assert measured["real"]["True"] == measured["real"]["False"] == [measured["report"]["tokens"]]

@@ -31,12 +31,14 @@ largest per-step difference (the arms' batches are the same only when ftcore doe
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import gc
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -244,6 +246,7 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
 
     arch, method, max_length, batch_size = spec
     work = Path(tempfile.mkdtemp(prefix=f"ftcore-gpu-{name}-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # runs, models and cache are scratch
     os.environ.setdefault("FTCORE_CACHE_DIR", str(work / "cache"))
     gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -272,6 +275,7 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
                                         max_length=max_length, learning_rate=LEARNING_RATE))
             run_ftcore(plan)
         results[arm] = measure(recorder, args.warmup, method, peak_flops)
+    shutil.rmtree(work, ignore_errors=True)  # the saved model: 16 GB for 8B
     return results
 
 

@@ -21,8 +21,10 @@ same tokens at every step.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -157,6 +159,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     work = Path(tempfile.mkdtemp(prefix="ftcore-overhead-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # runs, models and cache are scratch
     os.environ.setdefault("FTCORE_CACHE_DIR", str(work / "cache"))
     write_jsonl(work / "chat.jsonl", chat_rows(args.rows))
     recorder = StepRecorder().install()

@@ -20,10 +20,12 @@ with at most 5% padding packed).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import math
 import os
 import random
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -111,6 +113,7 @@ def main() -> None:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="ftcore-packing-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # runs, models and cache are scratch
     os.environ.setdefault("FTCORE_CACHE_DIR", str(work / "cache"))
     if ALPACA.exists():
         data, what = ALPACA, f"the Alpaca demo set ({ALPACA}), first {args.rows} rows"

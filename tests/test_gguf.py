@@ -142,12 +142,15 @@ def test_transformers_gguf_reader_gives_the_same_logits(trained):
 
 
 def greedy_transformers(model, ids: list[int], n: int) -> list[int]:
+    """Argmax tokens from transformers' logits, past any end of turn: ``generate`` with
+    ``min_new_tokens`` would forbid EOS tokens and pick the runner-up instead."""
     import torch
 
+    tokens = list(ids)
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=model.config.eos_token_id)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(ids):]
 
 
 def greedy_llama_cpp(llm, ids: list[int], n: int) -> list[int]:
@@ -171,7 +174,8 @@ def llama_cpp_matches(gguf_file, model, tokenizer, prompts, n=8):
     llm = llama_cpp.Llama(str(gguf_file), n_ctx=128, logits_all=True, verbose=False, n_threads=2, seed=0)
     for prompt in prompts:
         ids = tokenizer(prompt)["input_ids"]
-        assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids, prompt
+        # add_bos=True adds a BOS only where the file says the tokenizer adds one (Llama-3 does).
+        assert llm.tokenize(prompt.encode(), add_bos=True, special=True) == ids, prompt
         assert greedy_llama_cpp(llm, ids, n) == greedy_transformers(model, ids, n), prompt
     return llm
 

@@ -71,6 +71,9 @@ def test_dpo_example_chains_sft_and_dpo(tmp_path):
     assert dpo["eval_reward_accuracy"] > 0.55 and dpo["eval_reward_margin"] > 0
     evals = json.loads((run / "summary.json").read_text())["evaluations"]
     assert evals["after"]["exact_match"]["exact_match"] > evals["before"]["exact_match"]["exact_match"]
+    # The preference evaluator, right after SFT and after DPO, sees the same improvement.
+    assert evals["after"]["pairs"]["accuracy"] >= evals["sft"]["pairs"]["accuracy"] + 0.05, evals
+    assert evals["after"]["pairs"]["margin"] > evals["sft"]["pairs"]["margin"]
 
 
 def test_rlhf_example_chains_sft_reward_and_ppo(tmp_path):
@@ -81,6 +84,9 @@ def test_rlhf_example_chains_sft_reward_and_ppo(tmp_path):
     assert reward["eval_accuracy"] >= reward["eval_accuracy_before"] + 0.15, reward
     # The reward model is a plain transformers folder, and PPO was scored by it.
     assert AutoModelForSequenceClassification.from_pretrained(run / "stages" / "reward" / "output").num_labels == 1
+    evals = json.loads((run / "summary.json").read_text())["evaluations"]
+    judged = evals["after"]["reward_model"]  # the preference evaluator, by the same reward model
+    assert judged["accuracy"] == pytest.approx(reward["eval_accuracy"], abs=0.1), (judged, reward)
     ppo = _stage(run, "ppo")
     assert ppo["reward_last"] > ppo["reward_first"] + 0.5, ppo
     assert 0 < ppo["kl_last"] < 20

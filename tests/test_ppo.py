@@ -261,7 +261,9 @@ def test_ppo_with_a_reward_model_and_lora(tmp_path):
     metrics_path = tmp_path / "metrics.jsonl"
     reporter = Reporter(None, metrics_path, None, None)
     data = datasets.Dataset.from_list(chat_rows(32))
-    run = type("Run", (), {"is_main": True, "plan": type("Plan", (), {"seed": 0})()})()
+    from ftcore.context import RunInfo
+
+    run = RunInfo(plan=type("Plan", (), {"seed": 0})(), run_dir=tmp_path)  # a single process, rank 0
     loader = ScratchModelLoader(ScratchModelLoader.Options(hidden_size=32, num_layers=1, num_heads=2,
                                                            intermediate_size=64, tokenizer_data=["chat"],
                                                            vocab_size=300))

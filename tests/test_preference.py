@@ -43,7 +43,9 @@ def stage(tmp_path: Path, adapter: str = "lora", train=None, evaluation=None, pe
     from ftcore_plugins.template_chatml import ChatMLTemplate
 
     quiet = Reporter(None, None, None, None)
-    run = type("Run", (), {"is_main": True, "plan": type("Plan", (), {"seed": 7})()})()
+    from ftcore.context import RunInfo
+
+    run = RunInfo(plan=type("Plan", (), {"seed": 7})(), run_dir=Path("."))  # a single process, rank 0
     chat = datasets.Dataset.from_list(chat_rows(64))
     loader = ScratchModelLoader(ScratchModelLoader.Options(
         hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=128,

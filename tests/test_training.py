@@ -63,7 +63,9 @@ def tiny(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     vocab = datasets.Dataset.from_list(varied_rows(64) + varied_rows(64, 1, ["fish", "moon", "sky", "green"]))
-    run = type("Run", (), {"is_main": True, "plan": None})()
+    from ftcore.context import RunInfo
+
+    run = RunInfo(plan=None, run_dir=root)  # a single process, rank 0
     loader = ScratchModelLoader(ScratchModelLoader.Options(hidden_size=32, num_layers=1, num_heads=2,
                                                            tokenizer_data=["chat"], vocab_size=200))
     model, tokenizer = loader.load(LoadContext(run, Recorder(), NoQuantizer(), seed=0, work_dir=root / "model",

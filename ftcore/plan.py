@@ -38,6 +38,11 @@ _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")  # "tokenizer_data[0]: ..."
 
 
+def phase_order(stages: list[str]) -> list[str]:
+    """Evaluation phases in run order: before training, right after each stage but the last, after."""
+    return ["before", *stages[:-1], "after"]
+
+
 @dataclass
 class Selected:
     """A component the plan selected, with its validated options."""
@@ -495,7 +500,7 @@ class _Checker:
             else:
                 self.problem(path, unknown_choice("phase", item, ["before", "after", "both", *stages])
                              + " (a stage name means: right after that stage)")
-        return tuple(p for p in ["before", *stages[:-1], "after"] if p in wanted)
+        return tuple(p for p in phase_order(stages) if p in wanted)
 
     def requires(self, value: Any) -> list[str]:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):

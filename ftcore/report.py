@@ -18,7 +18,8 @@ from typing import Any
 
 from . import rundir
 from .errors import FtcoreError
-from .summary import _fmt, evaluation_rows
+from .plan import phase_order
+from .summary import evaluation_rows, format_value
 
 PLOT_DIR = "report"
 PLOT_WIDTH_IN, PANEL_HEIGHT_IN, PLOT_DPI = 10.0, 3.2, 100  # every PNG is 1000 px wide
@@ -94,8 +95,8 @@ def _evaluations(run_dir: Path, stages: list[str]) -> dict[str, dict[str, Any]]:
     """Phases in run order: before, the stages in plan order, after, then any other stored phase."""
     folder = run_dir / "evaluations"
     stored = sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
-    order = [p for p in ("before", *stages, "after") if p in stored] + \
-        [p for p in stored if p not in ("before", *stages, "after")]
+    known = phase_order(stages)
+    order = [p for p in known if p in stored] + [p for p in stored if p not in known]
     return {phase: rundir.read_json(folder / f"{phase}.json") or {} for phase in order}
 
 
@@ -147,7 +148,7 @@ def stage_table(run: RunFiles) -> Table | None:
     total = sum(s for _, s in steps if s)
     rows = []
     for name, seconds in steps:
-        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in results.get(name, {}).items() if k in STAGE_RESULTS)
+        shown = ", ".join(f"{k}={format_value(v)}" for k, v in results.get(name, {}).items() if k in STAGE_RESULTS)
         time = "skipped (done)" if seconds is None else f"{seconds:.1f}"
         share = f"{100 * seconds / total:.0f}%" if seconds is not None and total else ""
         rows.append([name, time, share, shown])
@@ -171,9 +172,9 @@ def data_tables(run: RunFiles) -> list[Table]:
 def _cell(v: Any) -> Any:
     """A data report value for one cell: nested values as text, numbers as they are."""
     if isinstance(v, dict):
-        return ", ".join(f"{k}: {_fmt(_cell(x))}" for k, x in v.items()) or "none"
+        return ", ".join(f"{k}: {format_value(_cell(x))}" for k, x in v.items()) or "none"
     if isinstance(v, list):
-        return ", ".join(str(x.get("path", x)) if isinstance(x, dict) else _fmt(_cell(x)) for x in v)
+        return ", ".join(str(x.get("path", x)) if isinstance(x, dict) else format_value(_cell(x)) for x in v)
     return v
 
 
@@ -328,7 +329,7 @@ def _save(plt, fig, plot: Plot) -> Plot:
 
 def render_markdown(head: list[Table], tail: list[Table], plots: list[Plot]) -> str:
     def cell(v: Any) -> str:
-        return _fmt(v).replace("|", "\\|").replace("\n", " ")
+        return format_value(v).replace("|", "\\|").replace("\n", " ")
 
     def table(t: Table) -> list[str]:
         out = [f"## {t.title}", ""] + ([f"_{t.note}_", ""] if t.note else [])
@@ -385,7 +386,7 @@ def render_html(head: list[Table], tail: list[Table], plots: list[Plot]) -> str:
         for row in t.rows:
             cells = []
             for i, v in enumerate(row):
-                text, css = _fmt(v), ""
+                text, css = format_value(v), ""
                 if any(t.columns) and i > 0 and _numeric(text):
                     css = ' class="num"'
                 elif not any(t.columns) and row[0] == "status" and i == 1:
@@ -394,7 +395,7 @@ def render_html(head: list[Table], tail: list[Table], plots: list[Plot]) -> str:
             out.append("<tr>" + "".join(cells) + "</tr>")
         return out + ["</table></div>"]
 
-    title = f"Run report: {_fmt(head[0].rows[0][1])}"
+    title = f"Run report: {format_value(head[0].rows[0][1])}"
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{e(title)}</title>",
            f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
     for t in head:

@@ -68,11 +68,13 @@ class Reporter:
             return
         from rich.table import Table
 
+        from .summary import format_value
+
         table = Table(title=title, title_justify="left")
         for i, col in enumerate(columns):
             table.add_column(col, justify="left" if i == 0 else "right")
         for row in rows:
-            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row))
+            table.add_row(*(format_value(v) for v in row))
         self.console.print(table)
 
     def log(self, stage: str, metrics: dict[str, Any], step: int | None = None) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 from . import launch, memory, report, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
 from .errors import ComponentError, FtcoreError
-from .plan import Plan, Selected, Stage
+from .plan import Plan, Selected, Stage, phase_order
 from .plugins import PluginManager
 from .reporter import Reporter
 
@@ -298,7 +298,7 @@ class Runner:
                 self.reporter.info(f"exported [bold]{export.name}[/] to {artifact or path}")
 
     def _phase_order(self) -> list[str]:
-        return ["before", *(s.name for s in self.plan.stages[:-1]), "after"]
+        return phase_order([s.name for s in self.plan.stages])
 
     def _model_at(self, which: str) -> tuple[Any, Any]:
         """``(model, tokenizer)`` as they were at ``which`` ("base" or a finished stage's name), rebuilt

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
+    """How every table ftcore prints or writes shows a value: floats to 4 significant digits, None blank."""
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
@@ -36,7 +37,7 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
         for col in columns:
             table.add_column(col, justify="left" if col in ("evaluation", "metric") else "right")
         for row in rows:
-            table.add_row(*(_fmt(v) for v in row))
+            table.add_row(*(format_value(v) for v in row))
         console.print(table)
 
     table = Table(title="Steps", title_justify="left")
@@ -44,7 +45,7 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
         table.add_column(col, justify="right" if col == "time (s)" else "left")
     for step in summary["steps"]:
         metrics = summary["stages"].get(step["name"], {})
-        shown = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items() if k in ("train_loss", "global_step",
+        shown = ", ".join(f"{k}={format_value(v)}" for k, v in metrics.items() if k in ("train_loss", "global_step",
                                                                                "train_tokens", "tokens_per_second"))
         table.add_row(step["name"], "skipped (done)" if step["skipped"] else f"{step['seconds']:.1f}", shown)
     console.print(table)
@@ -58,7 +59,7 @@ def print_summary(console: Any, summary: dict[str, Any]) -> None:
         for _, title in used:
             table.add_column(title, justify="right")
         for point, values in summary["memory"].items():
-            table.add_row(point, *(_fmt(values.get(key)) for key, _ in used))
+            table.add_row(point, *(format_value(values.get(key)) for key, _ in used))
         console.print(table)
 
     if summary["exports"]:

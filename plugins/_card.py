@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ftcore.summary import format_value
+
 
 def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[str], usage: str,
                verification: dict[str, Any] | None = None) -> Path:
@@ -31,7 +33,7 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
                       for f, d in p.get("data_files", {}).items()])
     body += _metrics(p.get("metrics") or {})
     if verification:
-        body += _section("Verification", ["check", "value"], [(k, _fmt(v)) for k, v in verification.items()])
+        body += _section("Verification", ["check", "value"], [(k, format_value(v)) for k, v in verification.items()])
     body += ["## How to load", "", "```python", usage.strip(), "```", ""]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
     path = folder / "README.md"
@@ -54,7 +56,7 @@ def _metrics(metrics: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
             for metric, value in (values or {}).items():
                 rows.setdefault(f"{evaluation}/{metric}", {})[phase] = value
     return _section("Evaluation", ["metric", *phases],
-                    [(name, *(_fmt(v.get(ph, "")) for ph in phases)) for name, v in rows.items()])
+                    [(name, *(format_value(v.get(ph, "")) for ph in phases)) for name, v in rows.items()])
 
 
 def _section(title: str, header: list[str], rows: list[tuple]) -> list[str]:
@@ -64,6 +66,3 @@ def _section(title: str, header: list[str], rows: list[tuple]) -> list[str]:
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return [*lines, ""]
 
-
-def _fmt(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

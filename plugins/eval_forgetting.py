@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ftcore
 
-from .eval_compare import model_ready_problems
+from ._evaluation import model_ready_problems
 from .eval_perplexity import Perplexity
 
 

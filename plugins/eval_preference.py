@@ -13,7 +13,7 @@ from ftcore.errors import FtcoreError
 
 from . import _reward_model
 from ._preference import answer_logps, pair_metrics, render, tokenize
-from .eval_compare import model_ready_problems
+from ._evaluation import model_ready_problems
 
 
 class Preference(Component):

@@ -57,9 +57,9 @@ def main() -> None:
 
     import datasets
 
-    from ftcore_plugins._chat import encode
-    from ftcore_plugins._prepare import prepare
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.common.chat import encode
+    from ftcore_plugins.common.prepare import prepare
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     rows, tok, what = load_rows_and_tokenizer(args.copies)
     template = ChatMLTemplate()

@@ -241,8 +241,8 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
     import datasets
     import torch
 
-    from ftcore_plugins._prepare import prepare
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.common.prepare import prepare
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     arch, method, max_length, batch_size = spec
     work = Path(tempfile.mkdtemp(prefix=f"ftcore-gpu-{name}-"))

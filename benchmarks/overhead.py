@@ -154,8 +154,8 @@ def main() -> None:
     import datasets
 
     from conftest import chat_rows, write_jsonl
-    from ftcore_plugins._prepare import prepare
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.common.prepare import prepare
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
     from transformers import AutoTokenizer
 
     work = Path(tempfile.mkdtemp(prefix="ftcore-overhead-"))

@@ -7,7 +7,6 @@ It lives outside run directories so several runs reuse it; ``ftcore cache clear`
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 
@@ -16,24 +15,3 @@ def cache_dir() -> Path:
         return Path(os.environ["FTCORE_CACHE_DIR"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "ftcore"
-
-
-def size(path: Path) -> tuple[int, int]:
-    """(files, bytes) under ``path``."""
-    files = total = 0
-    for p in path.rglob("*"):
-        if p.is_file():
-            files += 1
-            total += p.stat().st_size
-    return files, total
-
-
-def clear(path: Path) -> int:
-    """Remove the cache's entries; returns the bytes freed. Only ftcore's own folders go."""
-    freed = 0
-    for child in ("tokenized",):
-        target = path / child
-        if target.exists():
-            freed += size(target)[1]
-            shutil.rmtree(target)
-    return freed

@@ -17,15 +17,16 @@ from typing import Any
 from . import __version__
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
+    # `--debug` before or after the command: the subcommand's copy only sets it when given.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="show full tracebacks")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
 
     parser = argparse.ArgumentParser(
         prog="ftcore",
         description="Fine-tune language models from a TOML plan, with swappable plugin components.",
-        parents=[common],
     )
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks")
     parser.add_argument("--version", action="version", version=f"ftcore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -49,46 +50,17 @@ def _parser() -> argparse.ArgumentParser:
                          description="Check a plan against the installed plugins. Exits 2 if it has problems.")
     val.add_argument("plan", help="path to plan.toml")
 
-    plg = sub.add_parser("plugins", parents=[common], help="list installed components by kind and their plugins",
-                         description="List every installed component, by kind, with the distribution providing it.")
+    plg = sub.add_parser("plugins", parents=[common], help="list installed components and commands by kind",
+                         description="List every installed component, by kind, and every command, with the "
+                                     "distribution providing it.")
     plg.add_argument("--json", action="store_true", help="machine-readable output")
 
-    init = sub.add_parser("init", parents=[common], help="write a starter plan from a few answers",
-                          description="Write a starter plan: method, rank, learning rate and epochs chosen from "
-                                      "your GPU memory, data and goal, each explained in a comment. Answers not "
-                                      "given as flags are asked for.")
-    init.add_argument("-o", "--output", default="plan.toml", help="where to write the plan (default plan.toml)")
-    init.add_argument("--model", help="base model: a local folder or a hub id")
-    init.add_argument("--gpu-memory", help="GPU memory per device, e.g. 24GB (0 for CPU only)")
-    init.add_argument("--data", help="training data file (JSON, JSON Lines)")
-    init.add_argument("--kind", choices=("instructions", "chat", "preferences", "text"), help="what the data holds")
-    init.add_argument("--rows", type=int, help="number of rows (counted from the file when omitted)")
-    init.add_argument("--goal", choices=("task", "domain", "alignment"), help="what the fine-tune is for")
-    init.add_argument("--kl", choices=("low", "high"), default=None,
-                      help="alignment: how much staying close to the base model matters")
-    init.add_argument("--name", help="run name (default: the plan file's name)")
-    init.add_argument("--force", action="store_true", help="overwrite an existing plan file")
-
-    est = sub.add_parser("estimate", parents=[common], help="predict each stage's peak memory, loading no weights",
-                         description="Predict each stage's peak memory (weights, gradients, optimizer state, "
-                                     "activations, overhead) from the model's config, on the meta device: no "
-                                     "weights are loaded and nothing is downloaded. Exits 2 for a bad plan, 1 when "
-                                     "--budget is given and a stage does not fit.")
-    est.add_argument("plan", help="path to plan.toml")
-    est.add_argument("--budget", help="memory available, e.g. 16GB or 800MB (binary units: 16GB = 16 GiB)")
-    est.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                     help="where the run would train (default: cuda if this machine has one, else cpu)")
-    est.add_argument("--json", action="store_true", help="machine-readable output")
-
-    cache = sub.add_parser("cache", parents=[common], help="show or clear the tokenized-data cache",
-                           description="The cache of tokenized datasets that runs share "
-                                       "(FTCORE_CACHE_DIR, default ~/.cache/ftcore).")
-    cache.add_argument("action", choices=("info", "clear"), nargs="?", default="info")
-
-    rep = sub.add_parser("report", parents=[common], help="write a run's report.html and report.md again",
-                         description="Write report.html, report.md and the plots under report/ into a run "
-                                     "directory, from its files alone (a failed run's too).")
-    rep.add_argument("run_dir", help="the run directory, e.g. runs/<name>")
+    # Commands from plugins (built-in ones too), in name order after the core's own.
+    for name in sorted(commands):
+        info = commands[name]
+        cmd = sub.add_parser(name, parents=[common], help=info.help, description=info.description,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+        info.cls().add_arguments(cmd)
     return parser
 
 
@@ -102,19 +74,38 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+_warned: set[str] = set()
+
+
+def _warn(problem: str) -> None:
+    """Print a plugin problem once per process, however many plugin managers meet it."""
+    if problem not in _warned:
+        _warned.add(problem)
+        print(f"warning: {problem}", file=sys.stderr)
+
+
 def _main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
+    from .plugins import get_plugin_manager
+
+    # Commands come from plugins; building the parser imports no component, so --help stays fast.
+    pm = get_plugin_manager(components=False)
+    commands, problems = pm.commands()
+    quiet = "--json" in argv  # machine-readable output carries the problems itself
+    if not quiet:
+        for problem in [*pm.failures, *problems]:
+            _warn(problem)
+    args = _parser(commands).parse_args(argv)
     args.argv = argv
     if args.command is None:
-        _parser().print_help()
+        _parser(commands).print_help()
         return 0
     from .errors import ComponentError, FtcoreError, PlanError
 
     try:
-        commands = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "cache": cmd_cache,
-                    "init": cmd_init, "estimate": cmd_estimate,
-                    "report": cmd_report}
-        return commands[args.command](args)
+        core = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins}
+        if args.command in core:
+            return core[args.command](args)
+        return commands[args.command].cls().run(args)
     except PlanError as exc:
         for line in exc.problems:
             print(line, file=sys.stderr)
@@ -142,21 +133,28 @@ def _main(argv: list[str]) -> int:
         return 0
 
 
-def _plugins(args: argparse.Namespace) -> Any:
+def plugins_with_warnings(quiet: bool = False) -> tuple[Any, Any]:
+    """Every plugin and the component registry, each plugin problem printed once as a warning."""
     from .plugins import get_plugin_manager
 
     pm = get_plugin_manager()
     registry = pm.registry()
-    if not getattr(args, "json", False):
+    if not quiet:
         for problem in registry.problems:
-            print(f"warning: {problem}", file=sys.stderr)
+            _warn(problem)
     return pm, registry
+
+
+def _plugins(args: argparse.Namespace) -> Any:
+    return plugins_with_warnings(quiet=getattr(args, "json", False))
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
     from .component import KINDS
+    from .plugins import CORE_COMMANDS
 
     pm, registry = _plugins(args)
+    commands, command_problems = pm.commands()
     if args.json:
         out = {
             "plugins": [vars(i) for i in pm.infos.values()],
@@ -165,8 +163,10 @@ def cmd_plugins(args: argparse.Namespace) -> int:
                         "plugin": r.plugin, "description": r.description} for r in registry.all(kind)]
                 for kind in KINDS
             },
+            "commands": [{"name": c.name, "dist": c.dist, "version": c.version, "plugin": c.plugin,
+                          "description": c.help} for _, c in sorted(commands.items())],
             "conflicts": registry.conflicts(),
-            "problems": registry.problems,
+            "problems": registry.problems + command_problems,
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -185,6 +185,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
             table.add_row(f"  [cyan]{escape(r.name)}[/]", escape(f"{r.dist} {r.version}"), escape(r.description))
         if not registry.all(kind):
             table.add_row("  (none)", "", "")
+    table.add_row("[bold]Commands[/]", "", "")
+    for name in CORE_COMMANDS:
+        table.add_row(f"  [cyan]{name}[/]", f"ftcore {__version__}", "(ftcore's own)")
+    for name, c in sorted(commands.items()):
+        table.add_row(f"  [cyan]{escape(name)}[/]", escape(f"{c.dist} {c.version}"), escape(c.help))
     console.print(table)
     for conflict in registry.conflicts():
         console.print(f"[red]conflict:[/] {conflict}", highlight=False)
@@ -199,67 +204,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     stages = " -> ".join(f"{s.name} ({s.trainer.name}, {s.adapter.name})" for s in plan.stages) or "no stages"
     print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
           f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
-    return 0
-
-
-def cmd_init(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    from . import init
-    from .errors import FtcoreError
-
-    out = Path(args.output)
-    if out.exists() and not args.force:
-        raise FtcoreError(f"{out}: already exists; choose another --output, or --force to overwrite it")
-    interactive = sys.stdin.isatty()
-    questions = {
-        "model": ("Base model (local folder or hub id)", None, None),
-        "gpu_memory": ("GPU memory per device, e.g. 24GB (0 for CPU only)", "0", None),
-        "data": ("Training data file", None, None),
-        "kind": ("What the data holds", "instructions", init.KINDS),
-        "goal": ("What the fine-tune is for", "task", init.GOALS),
-    }
-    values = {}
-    for key, (prompt, default, choices) in questions.items():
-        value = getattr(args, key)
-        if value is None and interactive:
-            value = init.ask(prompt, default, choices)
-        if value is None:
-            raise FtcoreError(f"init: --{key.replace('_', '-')} is required when not asked interactively")
-        values[key] = value
-    kl = args.kl or ("low" if values["goal"] != "alignment" or not interactive
-                     else init.ask("How much must the model stay close to the base (KL importance)", "low",
-                                   ("low", "high")))
-    try:
-        gb = init.parse_gb(values["gpu_memory"])
-    except ValueError as exc:
-        raise FtcoreError(f"init: --gpu-memory: {exc}") from None
-    data = Path(values["data"])
-    rows = args.rows if args.rows is not None else init.count_rows(data)
-    if rows is None:
-        raise FtcoreError(f"init: cannot count the rows of {data}; give --rows")
-    # Paths in a plan are relative to the plan's own folder.
-    data_ref = os.path.relpath(data.resolve(), out.resolve().parent) if data.exists() else str(data)
-    model = values["model"]
-    if Path(model).exists():
-        model = os.path.relpath(Path(model).resolve(), out.resolve().parent)
-    answers = init.Answers(model=model, gpu_memory_gb=gb, data=data_ref, kind=values["kind"], rows=rows,
-                           goal=values["goal"], kl=kl, name=args.name or out.stem)
-    out.write_text(init.write_plan(answers), encoding="utf-8")
-    print(f"wrote {out}: {init.method(gb)[0]}, {rows:,} rows; check it with: ftcore validate {out}")
-    return 0
-
-
-def cmd_cache(args: argparse.Namespace) -> int:
-    from . import cache
-
-    path = cache.cache_dir()
-    if args.action == "clear":
-        print(f"cleared {path}: freed {cache.clear(path) / 2**20:.1f} MiB")
-    else:
-        files, total = cache.size(path) if path.exists() else (0, 0)
-        print(f"{path}: {files} files, {total / 2**20:.1f} MiB")
     return 0
 
 
@@ -301,22 +245,3 @@ def _terminated(plan: str):
         raise Interrupted(f"terminated (SIGTERM); resume with: ftcore run {plan} --resume", 128 + signum)
 
     return handler
-
-
-def cmd_estimate(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from .estimate import main_estimate
-    from .plan import load_plan
-
-    _, registry = _plugins(args)
-    plan = load_plan(args.plan, registry)
-    return main_estimate(plan, device=args.device, budget=args.budget, as_json=args.json, console=Console())
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from .report import write_report
-
-    html_path, md_path = write_report(args.run_dir)
-    print(f"wrote {html_path} and {md_path}")
-    return 0

@@ -24,6 +24,7 @@ class RunInfo:
     run_dir: Path
     rank: int = 0
     world_size: int = 1
+    reporter: Reporter | None = None  # the run's console and metrics log, once the run has started
 
     @property
     def is_main(self) -> bool:

@@ -111,6 +111,17 @@ def register_trackers(register: Register) -> None:
 
 
 @hookspec
+def register_commands(register: Register) -> None:
+    """Register subcommands of the ``ftcore`` command line (``ftcore init``, ``ftcore report``, ...).
+
+    :param register: call ``register(cls)`` for each :class:`ftcore.command.Command` subclass, with
+        ``name`` (the word after ``ftcore``), ``add_arguments(parser)`` and ``run(args) -> int``,
+        the exit status. The class docstring's first line is the command's line in ``ftcore --help``.
+        Import heavy libraries inside ``run``: ``ftcore --help`` loads every command module.
+    """
+
+
+@hookspec
 def ftcore_run_start(run: Any) -> None:
     """Called once a run directory is ready, before any model is loaded.
 

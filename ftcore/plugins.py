@@ -27,70 +27,81 @@ ENTRY_POINT_GROUP = "ftcore"
 
 # Registered by module path, through the same hooks a third party uses.
 BUILTIN_PLUGINS = (
-    "ftcore_plugins.model_hf",
-    "ftcore_plugins.model_scratch",
-    "ftcore_plugins.data_jsonl",
-    "ftcore_plugins.data_json",
-    "ftcore_plugins.data_csv",
-    "ftcore_plugins.data_parquet",
-    "ftcore_plugins.data_text",
-    "ftcore_plugins.data_arrow",
-    "ftcore_plugins.data_hf",
-    "ftcore_plugins.data_mix",
-    "ftcore_plugins.template_chatml",
-    "ftcore_plugins.template_native",
-    "ftcore_plugins.template_llama2",
-    "ftcore_plugins.template_llama3",
-    "ftcore_plugins.template_mistral",
-    "ftcore_plugins.template_gemma",
-    "ftcore_plugins.template_phi3",
-    "ftcore_plugins.template_qwen25",
-    "ftcore_plugins.template_alpaca",
-    "ftcore_plugins.template_vicuna",
-    "ftcore_plugins.template_zephyr",
-    "ftcore_plugins.template_jinja",
-    "ftcore_plugins.adapter_lora",
-    "ftcore_plugins.adapter_dora",
-    "ftcore_plugins.adapter_rslora",
-    "ftcore_plugins.adapter_pissa",
-    "ftcore_plugins.adapter_olora",
-    "ftcore_plugins.adapter_loftq",
-    "ftcore_plugins.adapter_loraplus",
-    "ftcore_plugins.adapter_ia3",
-    "ftcore_plugins.adapter_prompt_tuning",
-    "ftcore_plugins.adapter_prefix_tuning",
-    "ftcore_plugins.adapter_full",
-    "ftcore_plugins.adapter_freeze",
-    "ftcore_plugins.quantizer_none",
-    "ftcore_plugins.quantizer_bnb_nf4",
-    "ftcore_plugins.quantizer_bnb_fp4",
-    "ftcore_plugins.quantizer_bnb_int8",
-    "ftcore_plugins.trainer_sft",
-    "ftcore_plugins.trainer_pretrain",
-    "ftcore_plugins.eval_perplexity",
-    "ftcore_plugins.eval_exact_match",
-    "ftcore_plugins.eval_compare",
-    "ftcore_plugins.eval_forgetting",
-    "ftcore_plugins.eval_preference",
-    "ftcore_plugins.export_adapter",
-    "ftcore_plugins.export_merged",
-    "ftcore_plugins.reward_contains",
-    "ftcore_plugins.reward_regex",
-    "ftcore_plugins.trainer_grpo",
-    "ftcore_plugins.trainer_rloo",
-    "ftcore_plugins.trainer_ppo",
-    "ftcore_plugins.tracker_tensorboard",
-    "ftcore_plugins.tracker_mlflow",
-    "ftcore_plugins.tracker_wandb",
-    "ftcore_plugins.trainer_dpo",
-    "ftcore_plugins.trainer_kto",
-    "ftcore_plugins.trainer_orpo",
-    "ftcore_plugins.trainer_reward",
-    "ftcore_plugins.eval_generation",
-    "ftcore_plugins.eval_lm_eval",
-    "ftcore_plugins.export_onnx",
-    "ftcore_plugins.export_gguf",
+    "ftcore_plugins.models.hf",
+    "ftcore_plugins.models.scratch",
+    "ftcore_plugins.data.jsonl",
+    "ftcore_plugins.data.json",
+    "ftcore_plugins.data.csv",
+    "ftcore_plugins.data.parquet",
+    "ftcore_plugins.data.text",
+    "ftcore_plugins.data.arrow",
+    "ftcore_plugins.data.hf",
+    "ftcore_plugins.data.mix",
+    "ftcore_plugins.templates.chatml",
+    "ftcore_plugins.templates.native",
+    "ftcore_plugins.templates.llama2",
+    "ftcore_plugins.templates.llama3",
+    "ftcore_plugins.templates.mistral",
+    "ftcore_plugins.templates.gemma",
+    "ftcore_plugins.templates.phi3",
+    "ftcore_plugins.templates.qwen25",
+    "ftcore_plugins.templates.alpaca",
+    "ftcore_plugins.templates.vicuna",
+    "ftcore_plugins.templates.zephyr",
+    "ftcore_plugins.templates.jinja",
+    "ftcore_plugins.adapters.lora",
+    "ftcore_plugins.adapters.dora",
+    "ftcore_plugins.adapters.rslora",
+    "ftcore_plugins.adapters.pissa",
+    "ftcore_plugins.adapters.olora",
+    "ftcore_plugins.adapters.loftq",
+    "ftcore_plugins.adapters.loraplus",
+    "ftcore_plugins.adapters.ia3",
+    "ftcore_plugins.adapters.prompt_tuning",
+    "ftcore_plugins.adapters.prefix_tuning",
+    "ftcore_plugins.adapters.full",
+    "ftcore_plugins.adapters.freeze",
+    "ftcore_plugins.quantizers.none",
+    "ftcore_plugins.quantizers.bnb_nf4",
+    "ftcore_plugins.quantizers.bnb_fp4",
+    "ftcore_plugins.quantizers.bnb_int8",
+    "ftcore_plugins.trainers.sft",
+    "ftcore_plugins.trainers.pretrain",
+    "ftcore_plugins.evaluators.perplexity",
+    "ftcore_plugins.evaluators.exact_match",
+    "ftcore_plugins.evaluators.compare",
+    "ftcore_plugins.evaluators.forgetting",
+    "ftcore_plugins.evaluators.preference",
+    "ftcore_plugins.exporters.adapter",
+    "ftcore_plugins.exporters.merged",
+    "ftcore_plugins.rewards.contains",
+    "ftcore_plugins.rewards.regex",
+    "ftcore_plugins.trainers.grpo",
+    "ftcore_plugins.trainers.rloo",
+    "ftcore_plugins.trainers.ppo",
+    "ftcore_plugins.trackers.tensorboard",
+    "ftcore_plugins.trackers.mlflow",
+    "ftcore_plugins.trackers.wandb",
+    "ftcore_plugins.trainers.dpo",
+    "ftcore_plugins.trainers.kto",
+    "ftcore_plugins.trainers.orpo",
+    "ftcore_plugins.trainers.reward",
+    "ftcore_plugins.evaluators.generation",
+    "ftcore_plugins.evaluators.lm_eval",
+    "ftcore_plugins.exporters.onnx",
+    "ftcore_plugins.exporters.gguf",
 )
+
+# Built-in subcommands beyond run/validate/plugins; `ftcore --help` imports these and no other built-in.
+BUILTIN_COMMANDS = (
+    "ftcore_plugins.commands.init",
+    "ftcore_plugins.commands.estimate",
+    "ftcore_plugins.commands.report",
+    "ftcore_plugins.commands.cache",
+)
+
+# The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them.
+CORE_COMMANDS = ("run", "validate", "plugins")
 
 
 @dataclass
@@ -110,6 +121,7 @@ class PluginManager(pluggy.PluginManager):
         self.infos: dict[str, PluginInfo] = {}
         self.failures: list[str] = []
         self._registry: Registry | None = None
+        self._commands: tuple[dict[str, Any], list[str]] | None = None
         self._warned: set[tuple[str, str]] = set()
 
     def add_plugin(self, obj: object, info: PluginInfo) -> None:
@@ -202,10 +214,53 @@ class PluginManager(pluggy.PluginManager):
         return registry
 
 
+    def commands(self) -> tuple[dict[str, Any], list[str]]:
+        """Every registered command by name, and the problems met collecting them. A name clash is a
+        warning naming the winner: the core's commands, then built-in ones, then the first loaded."""
+        if self._commands is not None:
+            return self._commands
+        from .command import CommandInfo, check_command
+
+        found: dict[str, CommandInfo] = {}
+        problems: list[str] = []
+        for impl in reversed(self.hook.register_commands.get_hookimpls()):  # registration order
+            info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
+
+            def register(cls: type, _info=info) -> None:
+                problem = check_command(cls)
+                if problem:
+                    problems.append(f"{_who(_info)} registered an invalid command: {problem}")
+                    return
+                new = CommandInfo(cls.name, cls, _info.name, _info.dist, _info.version)
+                if cls.name in CORE_COMMANDS:
+                    problems.append(f"{new.who()} registered the command '{cls.name}', which is ftcore's own; "
+                                    "ignored")
+                    return
+                old = found.get(cls.name)
+                if old is not None:
+                    winner, loser = (new, old) if new.dist == "ftcore" and old.dist != "ftcore" else (old, new)
+                    found[cls.name] = winner
+                    problems.append(f"command '{cls.name}' is registered by both {winner.who()} and {loser.who()}; "
+                                    f"`ftcore {cls.name}` runs the one from {winner.who()}")
+                    return
+                found[cls.name] = new
+
+            try:
+                impl.function(register=register)
+            except Exception as exc:
+                problems.append(f"{_who(info)} failed in register_commands: {_one_line(exc)}")
+        self._commands = (found, problems)
+        return self._commands
+
+
 def get_plugin_manager(
-    *, builtins: bool = True, entry_points: bool = True, env: Mapping[str, str] | None = None
+    *, builtins: bool = True, entry_points: bool = True, components: bool = True,
+    env: Mapping[str, str] | None = None,
 ) -> PluginManager:
     """Build a fresh plugin manager with the built-in and installed plugins.
+
+    ``components=False`` imports the built-in commands alone (for the command line's parser,
+    which must stay fast); entry-point plugins are loaded either way.
 
     ``FTCORE_LOAD_PLUGINS`` (comma-separated entry-point or distribution names) loads
     only those third-party plugins; ``FTCORE_DISABLE_PLUGINS`` skips the ones named,
@@ -218,8 +273,8 @@ def get_plugin_manager(
 
     if builtins:
         _ensure_builtin_package()
-        for module_name in BUILTIN_PLUGINS:
-            if module_name in block or module_name.rsplit(".", 1)[-1] in block:
+        for module_name in (BUILTIN_PLUGINS if components else ()) + BUILTIN_COMMANDS:
+            if _builtin_names(module_name) & block:
                 continue
             info = PluginInfo(module_name, "ftcore", __version__, "builtin")
             try:
@@ -240,7 +295,9 @@ def get_plugin_manager(
                 continue
             info = PluginInfo(ep.name, dist, version, "entry point")
             if pm.has_plugin(ep.name):
-                pm.failures.append(f"{_who(info)} was not loaded: another plugin is already named '{ep.name}'")
+                winner = pm.infos.get(ep.name) or PluginInfo(ep.name, "?", "?", "?")
+                pm.failures.append(f"{_who(info)} was not loaded: {_who(winner)} is already named '{ep.name}' "
+                                   "and was loaded first")
                 continue
             try:
                 obj = ep.load()
@@ -281,6 +338,21 @@ def _ensure_builtin_package() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["ftcore_plugins"] = module
     spec.loader.exec_module(module)
+
+
+# Each folder's prefix in the flat layout before 0.2, so FTCORE_DISABLE_PLUGINS=eval_perplexity still works.
+_FLAT_PREFIX = {"models": "model_", "data": "data_", "templates": "template_", "adapters": "adapter_",
+                "quantizers": "quantizer_", "trainers": "trainer_", "evaluators": "eval_", "exporters": "export_",
+                "trackers": "tracker_", "rewards": "reward_", "commands": "command_"}
+
+
+def _builtin_names(module_name: str) -> set[str]:
+    """The names FTCORE_DISABLE_PLUGINS matches for a built-in module: its path
+    (``ftcore_plugins.evaluators.perplexity``), the path in the package (``evaluators.perplexity``)
+    and the flat name it had before (``eval_perplexity``)."""
+    inner = module_name.removeprefix("ftcore_plugins.")
+    folder, _, stem = inner.rpartition(".")
+    return {module_name, inner, _FLAT_PREFIX.get(folder, "") + stem}
 
 
 def _spec_names(pm: pluggy.PluginManager) -> list[str]:

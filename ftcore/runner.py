@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import launch, memory, report, rundir
+from . import launch, memory, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
 from .errors import ComponentError, FtcoreError
 from .plan import Plan, Selected, Stage, phase_order
@@ -78,6 +78,7 @@ class Runner:
         handler = self._log_to_file()
         self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
                                  self.pm if self.info.is_main else None, self.info)
+        self.info.reporter = self.reporter
         if note:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
@@ -91,7 +92,6 @@ class Runner:
             if self.info.is_main:
                 rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": rundir.run_status(exc),
                                                                    "ended_at": rundir.now(), "error": str(exc)[:500]})
-            report.after_run(self.info, self.reporter)  # a failed run gets its report too
             self._notify("ftcore_run_end", run=self.info, error=exc)
             self._stop_trackers()
             self._close_log(handler)
@@ -103,7 +103,6 @@ class Runner:
             rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": "complete",
                                                                "ended_at": rundir.now(),
                                                                "hardware": rundir.hardware()})
-        report.after_run(self.info, self.reporter)
         self._notify("ftcore_run_end", run=self.info, error=None)
         self._stop_trackers()
         self._close_log(handler)

@@ -91,7 +91,7 @@ def adapted(model) -> list[str]:
 
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_target_presets_per_architecture(model_type):
-    from ftcore_plugins._targets import resolve
+    from ftcore_plugins.adapters._targets import resolve
 
     _, attention, mlp, feedforward = ARCHITECTURES[model_type]
     model = tiny_model(model_type)
@@ -132,7 +132,7 @@ def test_target_presets_per_architecture(model_type):
 
 
 def test_an_unknown_target_is_one_line_listing_the_linear_layers():
-    from ftcore_plugins._targets import resolve
+    from ftcore_plugins.adapters._targets import resolve
 
     model = tiny_model("llama")
     with pytest.raises(FtcoreError) as err:

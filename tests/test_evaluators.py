@@ -22,9 +22,9 @@ def tiny_model(tmp_path_factory):
     import datasets
 
     from ftcore.context import LoadContext
-    from ftcore_plugins.model_scratch import ScratchModelLoader
-    from ftcore_plugins.quantizer_none import NoQuantizer
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.models.scratch import ScratchModelLoader
+    from ftcore_plugins.quantizers.none import NoQuantizer
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     data = {"text": datasets.Dataset.from_list(text_rows(32)), "chat": datasets.Dataset.from_list(chat_rows(32))}
     loader = ScratchModelLoader(ScratchModelLoader.Options(hidden_size=32, num_layers=1, num_heads=2,
@@ -41,7 +41,7 @@ def evaluate(model, tokenizer, template, rows, batch_size, **options):
     import datasets
 
     from ftcore.context import EvalContext
-    from ftcore_plugins.eval_perplexity import Perplexity
+    from ftcore_plugins.evaluators.perplexity import Perplexity
 
     ev = Perplexity(Perplexity.Options(batch_size=batch_size, **options))
     ctx = EvalContext(None, quiet_reporter(), "after", model, tokenizer, template,
@@ -270,7 +270,7 @@ def run_preference(tiny_model, rows, *, load_model=None, outputs=None, **options
     import datasets
 
     from ftcore.context import EvalContext
-    from ftcore_plugins.eval_preference import Preference
+    from ftcore_plugins.evaluators.preference import Preference
 
     model, tokenizer, template = tiny_model
     ev = Preference(Preference.Options(batch_size=3, **options))

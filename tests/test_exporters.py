@@ -16,7 +16,7 @@ import pytest
 
 import ftcore
 from ftcore.errors import FtcoreError
-from ftcore_plugins.adapter_lora import LoraAdapter
+from ftcore_plugins.adapters.lora import LoraAdapter
 
 from conftest import chat_rows, run_cli, write_jsonl
 from test_quantizers import tiny_llama  # noqa: F401 - the module-scoped fixture, reused
@@ -89,7 +89,7 @@ def test_lora_run_exports_a_merged_folder_an_adapter_and_onnx_that_their_librari
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     result = run_cli("run", str(tiny_project(TWO_STAGES)))
     assert result.returncode == 0, result.stderr
@@ -208,7 +208,7 @@ def test_qlora_merged_export_merges_into_the_full_precision_base(tmp_path, tiny_
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
 
     shutil.copytree(tiny_llama, tmp_path / "base")
     write_jsonl(tmp_path / "chat.jsonl", chat_rows(64))

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ftcore_plugins import _formats as F
-from ftcore_plugins._formats import RowError, convert, detect
+from ftcore_plugins.common import formats as F
+from ftcore_plugins.common.formats import RowError, convert, detect
 
 
 def chat(row, fmt="auto", **kw):

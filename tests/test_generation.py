@@ -15,7 +15,7 @@ sacrebleu = pytest.importorskip("sacrebleu")
 from conftest import chat_rows, run_cli, write_jsonl  # noqa: E402
 from test_evaluators import quiet_reporter, tiny_model  # noqa: E402, F401  (the shared tiny scratch model)
 
-from ftcore_plugins.eval_generation import (  # noqa: E402
+from ftcore_plugins.evaluators.generation import (  # noqa: E402
     Generation,
     corpus_bleu,
     resample,
@@ -159,7 +159,7 @@ def test_sampling_is_reproducible_and_leaves_the_run_random_state_alone(tiny_mod
 
 
 def test_exact_match_is_generation_reduced_to_exact_match(tiny_model, tmp_path):
-    from ftcore_plugins.eval_exact_match import ExactMatch
+    from ftcore_plugins.evaluators.exact_match import ExactMatch
 
     model, tokenizer, template = tiny_model
     rows = chat_rows(6, seed=5)

@@ -151,12 +151,12 @@ def test_reward_model_stage_scores_completions_and_peft_reference_is_removed(tmp
 
     from ftcore.context import AdapterContext, LoadContext, RunInfo, StageContext
     from ftcore.reporter import Reporter
-    from ftcore_plugins._online import RewardModel
-    from ftcore_plugins.adapter_lora import LoraAdapter
-    from ftcore_plugins.model_scratch import ScratchModelLoader
-    from ftcore_plugins.quantizer_none import NoQuantizer
-    from ftcore_plugins.template_chatml import ChatMLTemplate
-    from ftcore_plugins.trainer_grpo import GRPOTrainer
+    from ftcore_plugins.trainers._online import RewardModel
+    from ftcore_plugins.adapters.lora import LoraAdapter
+    from ftcore_plugins.models.scratch import ScratchModelLoader
+    from ftcore_plugins.quantizers.none import NoQuantizer
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+    from ftcore_plugins.trainers.grpo import GRPOTrainer
 
     torch.manual_seed(0)
     run = RunInfo(plan=types.SimpleNamespace(seed=0), run_dir=tmp_path)  # the adapter seeds from plan.seed
@@ -209,8 +209,8 @@ def test_text_rows_have_no_prompt():
     import datasets
 
     from ftcore.errors import FtcoreError
-    from ftcore_plugins._online import prompt_dataset
-    from ftcore_plugins.trainer_rloo import RLOOTrainer
+    from ftcore_plugins.trainers._online import prompt_dataset
+    from ftcore_plugins.trainers.rloo import RLOOTrainer
 
     ctx = types.SimpleNamespace(stage="rl")
     rows = datasets.Dataset.from_list([{"text": "the cat sat"}])

@@ -51,7 +51,7 @@ class TinyLoader(Component):
     name = "tiny"
 
     def load(self, ctx):
-        from ftcore_plugins.model_scratch import ScratchModelLoader
+        from ftcore_plugins.models.scratch import ScratchModelLoader
 
         inner = ScratchModelLoader(ScratchModelLoader.Options(hidden_size=32, num_layers=1, num_heads=2,
                                                               tokenizer_data=["train"], vocab_size=300))
@@ -101,7 +101,7 @@ class LoopTrainer(Component):
         steps: int = 30
 
     def train(self, ctx):
-        from ftcore_plugins._chat import encode
+        from ftcore_plugins.common.chat import encode
 
         cols, _ = encode(ctx.train_data, ctx.tokenizer, ctx.template, max_length=64)
         params = [p for p in ctx.model.parameters() if p.requires_grad]

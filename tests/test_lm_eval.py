@@ -66,7 +66,7 @@ def test_tiny_local_task_accuracy_equals_own_loglikelihood_comparison(tiny_model
     pytest.importorskip("lm_eval")
 
     from ftcore.context import EvalContext, RunInfo
-    from ftcore_plugins.eval_lm_eval import LmEval
+    from ftcore_plugins.evaluators.lm_eval import LmEval
 
     model, tokenizer, template = tiny_model
     rows = task_folder(tmp_path / "tasks")
@@ -92,7 +92,7 @@ def test_tiny_local_task_accuracy_equals_own_loglikelihood_comparison(tiny_model
 def test_missing_package_is_named_with_the_extra_at_validation(monkeypatch):
     import importlib.util
 
-    from ftcore_plugins.eval_lm_eval import LmEval
+    from ftcore_plugins.evaluators.lm_eval import LmEval
 
     ev = LmEval(LmEval.Options(tasks=["x"]))
     if importlib.util.find_spec("lm_eval") is not None:

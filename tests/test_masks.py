@@ -22,7 +22,7 @@ CONVERSATION = [
 def labelled_text(tokenizer, template, messages, **kw):
     import datasets
 
-    from ftcore_plugins._chat import IGNORE, encode
+    from ftcore_plugins.common.chat import IGNORE, encode
 
     cols, stats = encode(datasets.Dataset.from_list([{"messages": messages}]), tokenizer, template,
                          max_length=kw.pop("max_length", None), **kw)
@@ -53,7 +53,7 @@ def real_tokenizer(name):
 
 
 def test_chatml_labels_every_assistant_turn_with_im_end_when_pad_is_eos():
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     tok = real_tokenizer("qwen25")
     tok.pad_token = tok.eos_token  # the case that silently drops EOS labels in naive collators
@@ -62,7 +62,7 @@ def test_chatml_labels_every_assistant_turn_with_im_end_when_pad_is_eos():
 
 
 def test_native_llama3_labels_eot_id():
-    from ftcore_plugins.template_native import NativeTemplate
+    from ftcore_plugins.templates.native import NativeTemplate
 
     tok = real_tokenizer("llama3")
     tok.pad_token = tok.eos_token
@@ -71,8 +71,8 @@ def test_native_llama3_labels_eot_id():
 
 
 def test_native_qwen_matches_chatml_rendering():
-    from ftcore_plugins.template_chatml import ChatMLTemplate
-    from ftcore_plugins.template_native import NativeTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+    from ftcore_plugins.templates.native import NativeTemplate
 
     tok = real_tokenizer("qwen25")
     for gen in (False, True):
@@ -81,7 +81,7 @@ def test_native_qwen_matches_chatml_rendering():
 
 
 def test_train_on_inputs_labels_everything():
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     tok = real_tokenizer("qwen25")
     runs, _ = labelled_text(tok, ChatMLTemplate(), CONVERSATION, train_on_inputs=True)
@@ -89,7 +89,7 @@ def test_train_on_inputs_labels_everything():
 
 
 def test_truncation_that_leaves_no_answer_drops_the_sample():
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     tok = real_tokenizer("qwen25")
     runs, stats = labelled_text(tok, ChatMLTemplate(), CONVERSATION[:3], max_length=8)
@@ -98,7 +98,7 @@ def test_truncation_that_leaves_no_answer_drops_the_sample():
 
 def test_gemma_native_template_rejects_system_role_clearly():
     from ftcore.errors import FtcoreError
-    from ftcore_plugins.template_native import NativeTemplate
+    from ftcore_plugins.templates.native import NativeTemplate
 
     folder = SHARED / "tokenizers" / "gemma-cropped"
     if not folder.exists():

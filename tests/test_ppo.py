@@ -13,7 +13,7 @@ from conftest import run_cli
 
 torch = pytest.importorskip("torch")
 
-from ftcore_plugins import _ppo  # noqa: E402
+from ftcore_plugins.trainers import _ppo  # noqa: E402
 
 
 def _batch(seed: int = 0):
@@ -252,11 +252,11 @@ def test_ppo_with_a_reward_model_and_lora(tmp_path):
     from conftest import chat_rows
     from ftcore.context import AdapterContext, LoadContext, StageContext
     from ftcore.reporter import Reporter
-    from ftcore_plugins.adapter_lora import LoraAdapter
-    from ftcore_plugins.model_scratch import ScratchModelLoader
-    from ftcore_plugins.quantizer_none import NoQuantizer
-    from ftcore_plugins.template_chatml import ChatMLTemplate
-    from ftcore_plugins.trainer_ppo import PPOTrainer
+    from ftcore_plugins.adapters.lora import LoraAdapter
+    from ftcore_plugins.models.scratch import ScratchModelLoader
+    from ftcore_plugins.quantizers.none import NoQuantizer
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+    from ftcore_plugins.trainers.ppo import PPOTrainer
 
     metrics_path = tmp_path / "metrics.jsonl"
     reporter = Reporter(None, metrics_path, None, None)

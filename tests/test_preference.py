@@ -36,11 +36,11 @@ def stage(tmp_path: Path, adapter: str = "lora", train=None, evaluation=None, pe
     from ftcore.reporter import Reporter
 
     get_plugin_manager()  # makes ftcore_plugins importable from the source tree
-    from ftcore_plugins.adapter_full import FullAdapter
-    from ftcore_plugins.adapter_lora import LoraAdapter
-    from ftcore_plugins.model_scratch import ScratchModelLoader
-    from ftcore_plugins.quantizer_none import NoQuantizer
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.adapters.full import FullAdapter
+    from ftcore_plugins.adapters.lora import LoraAdapter
+    from ftcore_plugins.models.scratch import ScratchModelLoader
+    from ftcore_plugins.quantizers.none import NoQuantizer
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     quiet = Reporter(None, None, None, None)
     from ftcore.context import RunInfo
@@ -73,7 +73,8 @@ def options(cls, **kw):
 
 
 def logps_of(model, ctx):
-    from ftcore_plugins._preference import answer_logps, length_report, render
+    from ftcore_plugins.common.preference import answer_logps, render
+    from ftcore_plugins.trainers._preference import length_report
 
     ids = length_report(ctx, {"eval": render(ctx, ctx.eval_data, strip_bos=True)}, 64, style="trl")["eval"]
     return answer_logps(model, ids, 64, ctx.tokenizer.pad_token_id, 8)
@@ -90,7 +91,7 @@ def test_dpo_reference_is_the_stage_start_policy_and_reward_accuracy_rises(tmp_p
 
     import torch
 
-    from ftcore_plugins.trainer_dpo import DPOTrainer
+    from ftcore_plugins.trainers.dpo import DPOTrainer
 
     ctx = stage(tmp_path, adapter, perturb=perturb)
     start = copy.deepcopy(ctx.model)
@@ -116,7 +117,7 @@ def test_dpo_reference_is_the_stage_start_policy_and_reward_accuracy_rises(tmp_p
 
 def test_dpo_on_chat_rows_is_a_one_line_error(tmp_path):
     from ftcore.errors import FtcoreError
-    from ftcore_plugins.trainer_dpo import DPOTrainer
+    from ftcore_plugins.trainers.dpo import DPOTrainer
 
     ctx = stage(tmp_path, "lora")
     import datasets
@@ -134,7 +135,7 @@ def test_dpo_on_chat_rows_is_a_one_line_error(tmp_path):
 
 @pytest.mark.slow
 def test_kto_on_pairs_improves_held_out_reward_margin(tmp_path):
-    from ftcore_plugins.trainer_kto import KTOTrainer
+    from ftcore_plugins.trainers.kto import KTOTrainer
 
     ctx = stage(tmp_path, "lora")
     metrics = KTOTrainer(options(KTOTrainer)).train(ctx)
@@ -146,7 +147,7 @@ def test_kto_on_pairs_improves_held_out_reward_margin(tmp_path):
 
 @pytest.mark.slow
 def test_orpo_improves_held_out_reward_accuracy(tmp_path):
-    from ftcore_plugins.trainer_orpo import ORPOTrainer
+    from ftcore_plugins.trainers.orpo import ORPOTrainer
 
     ctx = stage(tmp_path, "lora")
     metrics = ORPOTrainer(options(ORPOTrainer)).train(ctx)
@@ -161,7 +162,7 @@ def test_reward_model_learns_pairs_is_saved_merged_and_leaves_the_policy_alone(t
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from ftcore_plugins.trainer_reward import RewardTrainer
+    from ftcore_plugins.trainers.reward import RewardTrainer
 
     ctx = stage(tmp_path, "lora")
     policy = ctx.model

@@ -25,21 +25,21 @@ def qwen():
 
 
 def chatml():
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     return ChatMLTemplate()
 
 
 def prep(rows, tok, template, **kw):
-    from ftcore_plugins._prepare import prepare
+    from ftcore_plugins.common.prepare import prepare
 
     kw.setdefault("max_length", 256)
     return prepare(datasets.Dataset.from_list(rows), tok, template, **kw)
 
 
 def test_cache_hits_for_the_same_inputs_and_misses_when_any_part_of_the_key_changes(monkeypatch):
-    import ftcore_plugins._prepare as prepare_module
-    from ftcore_plugins.template_native import NativeTemplate
+    import ftcore_plugins.common.prepare as prepare_module
+    from ftcore_plugins.templates.native import NativeTemplate
 
     tok, template, rows = qwen(), chatml(), chat_rows(40)
     first = prep(rows, tok, template)
@@ -70,7 +70,7 @@ def test_cache_hits_for_the_same_inputs_and_misses_when_any_part_of_the_key_chan
 
 
 def test_a_template_whose_code_renders_differently_misses(monkeypatch):
-    from ftcore_plugins.template_chatml import ChatMLTemplate
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     tok, rows = qwen(), chat_rows(5)
     before = prep(rows, tok, ChatMLTemplate()).key
@@ -182,7 +182,7 @@ def test_packing_gives_each_sample_the_loss_it_has_alone():
 
 
 def test_padding_numbers_match_an_independent_count():
-    from ftcore_plugins._prepare import packing_report, padding_fraction
+    from ftcore_plugins.common.prepare import packing_report, padding_fraction
 
     lengths = [10, 30, 20, 20, 5]
     # batches of 2 in this order: (10, 30) -> 60 slots, (20, 20) -> 40, (5) -> 5: 20 + 0 + 0 pads of 105
@@ -206,9 +206,9 @@ def test_real_sharegpt_tool_calls_become_trained_assistant_turns(tmp_path):
         pytest.skip("../shared/fixtures/data not present")
     from ftcore.context import DataContext
     from ftcore.reporter import Reporter
-    from ftcore_plugins._chat import IGNORE
-    from ftcore_plugins.data_json import JsonSource
-    from ftcore_plugins.template_qwen25 import Qwen25Template
+    from ftcore_plugins.common.chat import IGNORE
+    from ftcore_plugins.data.json import JsonSource
+    from ftcore_plugins.templates.qwen25 import Qwen25Template
 
     source = JsonSource(JsonSource.Options.model_validate({"path": str(data_file)}))
     rows = source.load(DataContext(None, Reporter(None, None, None, None), "glaive"))

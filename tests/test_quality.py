@@ -13,13 +13,13 @@ datasets = pytest.importorskip("datasets")
 
 
 def options(**kw):
-    from ftcore_plugins._quality import QualityOptions
+    from ftcore_plugins.data._quality import QualityOptions
 
     return QualityOptions(**kw)
 
 
 def run(rows, **kw):
-    from ftcore_plugins._quality import clean_and_split
+    from ftcore_plugins.data._quality import clean_and_split
 
     stats: dict = {}
     out = clean_and_split(datasets.Dataset.from_list(rows), options(**kw), stats, "data.test")

@@ -200,7 +200,7 @@ def test_qlora_nf4_trains_fp32_lora_on_a_4bit_base_and_the_adapter_reloads(proje
     import torch
     from peft import PeftModel
 
-    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
 
     body = plan_text('use = "bnb-nf4"\nbnb_4bit_use_double_quant = true', steps=8, more="""
 [[export]]
@@ -321,9 +321,9 @@ def test_gradients_reach_every_adapter_even_after_an_evaluation(tiny_llama, name
 # -- load_kwargs and prepare, without a run ----------------------------------------------------
 def test_load_kwargs_carry_bitsandbytes_options():
     torch = pytest.importorskip("torch")
-    from ftcore_plugins.quantizer_bnb_fp4 import FP4Quantizer
-    from ftcore_plugins.quantizer_bnb_int8 import Int8Quantizer
-    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+    from ftcore_plugins.quantizers.bnb_fp4 import FP4Quantizer
+    from ftcore_plugins.quantizers.bnb_int8 import Int8Quantizer
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
 
     nf4 = NF4Quantizer().load_kwargs()
     assert set(nf4) == {"quantization_config"}
@@ -346,7 +346,7 @@ def test_load_kwargs_carry_bitsandbytes_options():
 def test_under_torchrun_each_process_loads_onto_its_own_gpu(monkeypatch):
     """CUDA-only path, so CUDA is mocked: with WORLD_SIZE > 1 the whole model goes to LOCAL_RANK's GPU."""
     torch = pytest.importorskip("torch")
-    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -363,8 +363,8 @@ def test_prepare_refuses_a_model_the_loader_did_not_quantize():
     torch = pytest.importorskip("torch")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ftcore_plugins.quantizer_bnb_int8 import Int8Quantizer
-    from ftcore_plugins.quantizer_bnb_nf4 import NF4Quantizer
+    from ftcore_plugins.quantizers.bnb_int8 import Int8Quantizer
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
 
     config = AutoConfig.for_model("llama", vocab_size=64, hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, intermediate_size=32)

@@ -204,7 +204,7 @@ def test_plots_are_real_pngs_of_the_planned_size(runs):
 
 
 def test_loss_plot_holds_every_logged_train_and_eval_loss(runs):
-    from ftcore.report import LINE_PLOTS, read_run, series
+    from ftcore_plugins.commands.report import LINE_PLOTS, read_run, series
 
     expected: dict = {}
     for line in (runs.dir / "metrics.jsonl").read_text().splitlines():
@@ -275,7 +275,7 @@ def test_time_per_step_and_run_facts_come_from_the_run_files(runs):
 
 
 def test_html_is_self_contained_and_escapes_what_it_shows(runs, tmp_path):
-    from ftcore.report import write_report
+    from ftcore_plugins.commands.report import write_report
 
     page = html_tables(runs.dir / "report.html")
     assert len(page.images) == 4
@@ -347,8 +347,8 @@ def test_a_failed_run_gets_a_report_from_what_it_left(runs):
 def test_a_report_that_fails_is_a_warning_not_the_runs_error(runs, tmp_path):
     from rich.console import Console
 
-    from ftcore import report
     from ftcore.reporter import Reporter
+    from ftcore_plugins.commands import report
 
     copy = tmp_path / "run"
     shutil.copytree(runs.dir, copy)
@@ -356,6 +356,7 @@ def test_a_report_that_fails_is_a_warning_not_the_runs_error(runs, tmp_path):
     (copy / "report.html").mkdir()  # the report cannot replace a folder
     (copy / "report.html" / "keep").write_text("a user's file")
     console = Console(record=True, width=200)
-    report.after_run(types.SimpleNamespace(is_main=True, run_dir=copy), Reporter(console, None, None, None))
+    report.ftcore_run_end(types.SimpleNamespace(is_main=True, run_dir=copy, reporter=Reporter(console, None, None, None)),
+                          error=None)
     assert "warning: could not write the run report: IsADirectoryError" in console.export_text()
     assert (copy / "report.html" / "keep").read_text() == "a user's file"

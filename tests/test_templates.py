@@ -58,7 +58,7 @@ def family(name, **options):
 
 
 def jinja_family(tmp_path, text=CHATML_JINJA, **options):
-    from ftcore_plugins.template_jinja import JinjaFileTemplate
+    from ftcore_plugins.templates.jinja import JinjaFileTemplate
 
     path = tmp_path / "chat.jinja"
     path.write_text(text, encoding="utf-8")
@@ -277,7 +277,7 @@ THREE_EXCHANGES = [s("Be brief."), u("Hi"), a("Hello."), u("Name a colour"), a("
 
 @pytest.mark.parametrize("name", [*FAMILIES, "jinja"])
 def test_every_family_renders_prefix_by_prefix_so_assistant_spans_are_found(name, tmp_path):
-    from ftcore_plugins._chat import render_with_spans
+    from ftcore_plugins.common.chat import render_with_spans
 
     template = jinja_family(tmp_path, stop_tokens=["<|im_end|>"]) if name == "jinja" else family(name)
     messages = without_system(THREE_EXCHANGES) if name in NO_SYSTEM else THREE_EXCHANGES
@@ -294,7 +294,7 @@ def test_every_family_renders_prefix_by_prefix_so_assistant_spans_are_found(name
 def labelled_runs(tokenizer, template, messages):
     import datasets
 
-    from ftcore_plugins._chat import IGNORE, encode
+    from ftcore_plugins.common.chat import IGNORE, encode
 
     cols, _ = encode(datasets.Dataset.from_list([{"messages": messages}]), tokenizer, template, max_length=None)
     runs, current = [], []

@@ -56,10 +56,10 @@ def tiny(tmp_path_factory):
     import datasets
 
     from ftcore.context import LoadContext, StageContext
-    from ftcore_plugins.model_scratch import ScratchModelLoader
-    from ftcore_plugins.quantizer_none import NoQuantizer
-    from ftcore_plugins.template_chatml import ChatMLTemplate
-    from ftcore_plugins.trainer_sft import SFTTrainer
+    from ftcore_plugins.models.scratch import ScratchModelLoader
+    from ftcore_plugins.quantizers.none import NoQuantizer
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+    from ftcore_plugins.trainers.sft import SFTTrainer
 
     root = tmp_path_factory.mktemp("tiny")
     vocab = datasets.Dataset.from_list(varied_rows(64) + varied_rows(64, 1, ["fish", "moon", "sky", "green"]))
@@ -257,7 +257,7 @@ def test_early_stopping_when_eval_loss_stops_improving_keeps_and_ends_with_the_b
 
 def test_rotation_keeps_the_newest_marked_and_the_best_and_resume_ignores_half_written(tmp_path):
     from ftcore.runner import _last_checkpoint
-    from ftcore_plugins._callbacks import mark_checkpoint, rotate_checkpoints
+    from ftcore_plugins.trainers._callbacks import mark_checkpoint, rotate_checkpoints
 
     for step in (2, 4, 6, 8):
         (tmp_path / f"checkpoint-{step}").mkdir()
@@ -410,7 +410,7 @@ def test_a_second_signal_kills_at_once(sig):
     """The first signal only asks for a stop; the second ends the process by that signal."""
     code = f"""
 import os, signal, time
-from ftcore_plugins._callbacks import GracefulStop
+from ftcore_plugins.trainers._callbacks import GracefulStop
 with GracefulStop() as stop:
     os.kill(os.getpid(), {int(sig)})
     time.sleep(0.2)

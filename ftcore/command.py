@@ -1,0 +1,78 @@
+"""Subcommands of ``ftcore`` that plugins add through ``register_commands``.
+
+A command is a class: ``name`` is the word after ``ftcore``, the docstring's first line is its line
+in ``ftcore --help`` (the rest is its ``--help`` description), ``add_arguments`` declares its
+arguments on an ``argparse`` parser and ``run`` does the work and returns the exit status. Raise
+:class:`ftcore.errors.FtcoreError` for bad input: the CLI prints it as one line and exits 2.
+Nothing here imports more than the standard library, so ``ftcore --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+_NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+class Command:
+    """Base class of ``ftcore`` subcommands."""
+
+    name: ClassVar[str] = ""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Declare the command's arguments (``--debug`` is added for every command)."""
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Do the work; return the exit status (0 for success)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def load_plan(path: str, overrides: dict | None = None) -> tuple[Any, Any]:
+        """Load and validate a plan against the installed plugins, as ``ftcore run`` does: returns
+        ``(plan, plugin_manager)``. Plugin problems are printed as warnings; a bad plan raises
+        :class:`ftcore.errors.PlanError`, which the CLI prints one problem a line with exit 2."""
+        from .cli import plugins_with_warnings
+        from .plan import load_plan
+
+        pm, registry = plugins_with_warnings()
+        return load_plan(path, registry, overrides or {}), pm
+
+
+@dataclass(frozen=True)
+class CommandInfo:
+    """A registered command and where it came from."""
+
+    name: str
+    cls: type[Command]
+    plugin: str
+    dist: str
+    version: str
+
+    @property
+    def help(self) -> str:
+        doc = inspect.getdoc(self.cls) or ""
+        line = doc.split("\n\n")[0].replace("\n", " ").rstrip(".")
+        # `ftcore --help` lists commands in argparse's style: "report  write a run's report ..."
+        return line[:1].lower() + line[1:] if line[1:2].islower() else line
+
+    @property
+    def description(self) -> str:
+        return inspect.getdoc(self.cls) or ""
+
+    def who(self) -> str:
+        return f"plugin '{self.plugin}' ({self.dist} {self.version})"
+
+
+def check_command(cls: object) -> str | None:
+    """Why ``cls`` cannot be a command, or ``None``."""
+    if not (inspect.isclass(cls) and issubclass(cls, Command)):
+        return f"expected a subclass of ftcore.command.Command, got {cls!r}"
+    if not isinstance(cls.name, str) or not _NAME.match(cls.name):
+        return f"{cls.__qualname__} has no valid 'name' (lower-case letters, digits and '-'): {cls.name!r}"
+    if cls.run is Command.run:
+        return f"{cls.__qualname__} ('{cls.name}') does not implement run(args)"
+    return None

@@ -1,0 +1,587 @@
+"""``ftcore estimate``: each stage's peak memory, predicted without loading any weights.
+
+The model is built on PyTorch's ``meta`` device (shapes and dtypes, no storage), the stage's
+adapter is applied to it, and the total is the sum of
+
+- **weights**: the base model as the quantizer stores it, plus what the adapter adds;
+- **gradients**: one per trainable parameter, in its dtype;
+- **optimizer**: the optimizer's state for the trainable parameters, plus its step's
+  temporaries where they exceed the activations (the step runs once those are freed);
+- **activations**: what one training step keeps for backward, at the stage's batch size and
+  sequence length, with or without gradient checkpointing;
+- **overhead**: the process and framework. On CPU, the memory of this very process once it
+  has imported what the run imports (``ftcore estimate`` runs in the same kind of process as
+  ``ftcore run``), plus what the trainer says a run adds beyond that, plus checkpoint pages the
+  model loader says stay mapped; on CUDA, what the trainer says the CUDA context and
+  allocator take.
+
+On CPU the total predicts the run's peak RSS (``summary.json`` ``memory`` ->
+``"<stage>: trained"`` ``peak_rss_mib``); on CUDA, the GPU memory in use.
+
+Components answer through **optional** methods; each has a fallback here, and every number
+says where it came from (``sources``) and what the estimate does not model (``notes``):
+
+=============  ================================================  ==================================
+component      optional method                                   fallback
+=============  ================================================  ==================================
+model loader   ``meta_model() -> (model, config)``               ``options.path`` holding a
+                                                                 ``config.json``: transformers'
+                                                                 ``from_config`` on ``meta``
+model loader   ``checkpoint_residue_bytes(quantized) -> int``    0
+quantizer      ``prepare_meta(model) -> model``                  the model unchanged; checkpointing
+                                                                 from an option named
+                                                                 ``gradient_checkpointing``
+quantizer      ``weight_bytes(model) -> int``                    ``load_kwargs()``'s
+                                                                 ``quantization_config`` sized by
+                                                                 transformers, else numel x dtype
+adapter        ``apply_meta(model, ctx)``, else ``apply``        every parameter trainable (an
+                                                                 upper bound, with a note)
+trainer        ``memory_settings() -> dict``                     options named ``batch_size``,
+                                                                 ``max_length``, ...
+trainer        ``activation_bytes(config, batch_size, seq_len,   a generic decoder formula
+               checkpointing, *, model, device, precision)``
+trainer        ``optimizer_bytes(params, *, device)`` ->         Adam: two fp32 values per
+               ``(state, step temporaries)`` or an int           parameter
+trainer        ``runtime_bytes(*, device) -> int``               nothing beyond this process
+=============  ================================================  ==================================
+
+Keyword arguments a component's method does not declare are not passed. Nothing here imports
+torch (or the built-in plugins) at module import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import logging
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ftcore
+from ftcore.command import Command
+from ftcore.errors import FtcoreError
+
+MiB = 2**20
+GiB = 2**30
+TERMS = ("weights", "gradients", "optimizer", "activations", "overhead")
+DEFAULTS = {"batch_size": 8, "seq_len": 512, "gradient_checkpointing": False, "optimizer": "adamw_torch",
+            "precision": "auto"}
+_CPU_FALLBACK_PROCESS = 600 * MiB  # when /proc cannot be read
+_CUDA_FALLBACK_RUNTIME = 768 * MiB
+
+
+@dataclass
+class Settings:
+    batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    optimizer: str
+    precision: str  # resolved for the device: fp32, bf16 or fp16
+
+
+@dataclass
+class StageEstimate:
+    stage: str
+    trainer: str
+    adapter: str
+    settings: Settings
+    total_params: int
+    trainable_params: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    overhead: int = 0
+    sources: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    residue: int = 0  # checkpoint pages the loader leaves resident (host memory; part of overhead on CPU)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, t) for t in TERMS)
+
+
+@dataclass
+class Estimate:
+    plan: str
+    model: str
+    quantizer: str
+    device: str
+    stages: list[StageEstimate]
+    budget: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max((s.total for s in self.stages), default=0)
+
+    def fits(self, stage: StageEstimate | None = None) -> bool | None:
+        if self.budget is None:
+            return None
+        return (stage.total if stage else self.peak) <= self.budget
+
+    def to_json(self) -> dict[str, Any]:
+        stages = []
+        for s in self.stages:
+            terms = {t: getattr(s, t) for t in TERMS}
+            stages.append({
+                "stage": s.stage, "trainer": s.trainer, "adapter": s.adapter, **asdict(s.settings),
+                "params": {"total": s.total_params, "trainable": s.trainable_params},
+                "bytes": {**terms, "total": s.total},
+                "mib": {k: round(v / MiB, 1) for k, v in {**terms, "total": s.total}.items()},
+                "fits": self.fits(s), "sources": s.sources, "notes": s.notes,
+            })
+        return {"plan": self.plan, "model": self.model, "quantizer": self.quantizer, "device": self.device,
+                "budget_bytes": self.budget, "peak_bytes": self.peak, "peak_mib": round(self.peak / MiB, 1),
+                "fits": self.fits(), "stages": stages, "notes": self.notes}
+
+
+# -- sizes ------------------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """``16GB``, ``16 GiB``, ``16g``, ``800MB``, ``1.5T`` -> bytes. Binary units whatever the
+    spelling, as GPU memory is quoted (a "16GB" card has 16 GiB); a bare number is GB."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 16GB, 800MB)")
+    unit = (m.group(2) or "g").lower()
+    return int(float(m.group(1)) * {"k": 2**10, "m": MiB, "g": GiB, "t": 2**40}[unit])
+
+
+def human(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / MiB:.0f} MiB"
+
+
+# -- calling components -----------------------------------------------------------------------
+def _optional(component: Any, method: str) -> Callable | None:
+    fn = getattr(component, method, None)
+    return fn if callable(fn) else None
+
+
+def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature takes (third-party methods may
+    take fewer than the core offers)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(*args, **kwargs)
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Library warnings and component log lines are not the estimate's output."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(previous)
+
+
+# -- the estimate -----------------------------------------------------------------------------
+def resolve_device(device: str) -> str:
+    if device in ("cpu", "cuda"):
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def estimate_plan(plan: Any, *, device: str = "auto", budget: int | None = None) -> Estimate:
+    """Estimate every stage of a loaded plan (:func:`ftcore.plan.load_plan`)."""
+    from ftcore.runner import calling
+
+    device = resolve_device(device)
+    loader = plan.model.create()
+    quantizer = plan.quantizer.create()
+    result = Estimate(str(plan.path), plan.model.name, plan.quantizer.name, device, [], budget)
+
+    with _quiet():
+        for stage in plan.stages:
+            result.stages.append(_stage(plan, stage, loader, quantizer, device, calling))
+        runtime: list[tuple[int, str]] = []
+        for stage in plan.stages:
+            trainer = stage.trainer.create()
+            fn = _optional(trainer, "runtime_bytes")
+            if fn is not None:
+                with calling(stage.trainer, "runtime_bytes"):
+                    runtime.append((int(_call(fn, device=device)), f"trainer '{stage.trainer.name}'"))
+            else:
+                runtime.append((0 if device == "cpu" else _CUDA_FALLBACK_RUNTIME, "fallback"))
+    # Measured after the components have imported what they run with.
+    process = _process_bytes() if device == "cpu" else 0
+    for s, (extra, source) in zip(result.stages, runtime):
+        if device == "cpu":
+            s.overhead = (process or _CPU_FALLBACK_PROCESS) + extra + s.residue
+            s.sources["overhead"] = ("this process's RSS" if process else "fallback (no /proc)") + (
+                f" + {human(extra)} training runtime ({source})" if extra else "") + (
+                f" + {human(s.residue)} checkpoint pages the model loader leaves mapped" if s.residue else "")
+            if source == "fallback":
+                s.notes.append(f"trainer '{s.trainer}' has no runtime_bytes(): the overhead is only this process's "
+                               "memory, without what the training loop adds")
+        else:
+            s.overhead = extra
+            s.sources["overhead"] = f"CUDA context and allocator reserve ({source})"
+        if s.activations > 0.4 * s.total and device == "cpu":
+            s.notes.append(f"activations are {100 * s.activations / s.total:.0f}% of the total: on CPU, how much "
+                           "of the memory freed during a step glibc's malloc keeps in its heap depends on tensor "
+                           "sizes and order, and only the trainer's known cases are modeled; gradient "
+                           "checkpointing keeps activations small")
+    if len(plan.stages) > 1:
+        result.notes.append("stages run in one process: memory a stage leaves allocated (the allocator's "
+                            "retained blocks) is counted in the next stage's measured peak, not here")
+    data = _data_bytes(plan)
+    if data > 0.05 * max(result.peak, 1):
+        result.notes.append(f"the plan reads {human(data)} of data files; memory-mapped Arrow pages count toward "
+                            "RSS as they are read (not modeled)")
+    if device == "cuda":
+        result.notes.append("CUDA figures follow the same accounting with CUDA kernels' dtypes; they were not "
+                            "compared with a measured run here")
+    return result
+
+
+def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, calling: Callable) -> StageEstimate:
+    sources: dict[str, str] = {}
+    notes: list[str] = []
+    trainer = stage.trainer.create()
+    settings = _settings(stage, trainer, device, calling, sources, notes)
+
+    model, config = _meta_model(plan, loader, calling, sources)
+    prepare = _optional(quantizer, "prepare_meta")
+    if prepare is not None:
+        with calling(plan.quantizer, "prepare_meta"):
+            model = prepare(model)
+    weights = _weight_bytes(plan, quantizer, model, loader, calling, sources, notes)
+    before = _param_bytes(model)
+    residue = 0
+    fn = _optional(loader, "checkpoint_residue_bytes")
+    if fn is not None:
+        with calling(plan.model, "checkpoint_residue_bytes"):
+            residue = int(fn(weights < 0.9 * before))
+    total_before = sum(p.numel() for p in model.parameters())
+
+    adapter = stage.adapter.create()
+    try:
+        from ftcore.context import AdapterContext, RunInfo
+        from ftcore.reporter import Reporter
+
+        ctx = AdapterContext(RunInfo(plan, plan.run_dir), Reporter(None, None, None, None), quantizer)
+        how = "apply_meta" if _optional(adapter, "apply_meta") else "apply"
+        model = getattr(adapter, how)(model, ctx)
+        sources["trainable"] = f"adapter '{stage.adapter.name}' {how}() on the meta model"
+    except FtcoreError:
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        notes.append(f"adapter '{stage.adapter.name}' could not be applied to the meta model "
+                     f"({type(exc).__name__}: {first}); counted as training every parameter, an upper bound")
+        sources["trainable"] = "fallback: every parameter"
+        for p in model.parameters():
+            p.requires_grad_(True)
+    added = _param_bytes(model) - before
+    weights += max(added, 0)
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    checkpointing = settings.gradient_checkpointing or _checkpointing_on(model)
+    if not settings.gradient_checkpointing and checkpointing:
+        notes.append(f"gradient checkpointing is on: quantizer '{plan.quantizer.name}' turns it on")
+    elif not settings.gradient_checkpointing and prepare is None and \
+            getattr(getattr(quantizer, "options", None), "gradient_checkpointing", False):
+        checkpointing = True
+        notes.append(f"gradient checkpointing is on: quantizer '{plan.quantizer.name}' option")
+    settings.gradient_checkpointing = checkpointing
+
+    gradients = sum(p.numel() * p.element_size() for p in trainable)
+    fn = _optional(trainer, "optimizer_bytes")
+    if fn is not None:
+        with calling(stage.trainer, "optimizer_bytes"):
+            out = _call(fn, trainable, device=device)
+        state, temporaries = (int(out[0]), int(out[1])) if isinstance(out, (tuple, list)) else (int(out), 0)
+        sources["optimizer"] = f"trainer '{stage.trainer.name}' ({settings.optimizer})"
+    else:
+        state, temporaries = 8 * sum(p.numel() for p in trainable), 0
+        sources["optimizer"] = "fallback: Adam, two fp32 values per trainable parameter"
+
+    fn = _optional(trainer, "activation_bytes")
+    if fn is not None:
+        with calling(stage.trainer, "activation_bytes"):
+            activations = int(_call(fn, config, settings.batch_size, settings.seq_len, checkpointing,
+                                    model=model, device=device, precision=settings.precision))
+        sources["activations"] = f"trainer '{stage.trainer.name}'"
+    else:
+        activations = generic_activation_bytes(config, settings.batch_size, settings.seq_len, checkpointing,
+                                               settings.precision)
+        sources["activations"] = "fallback: generic decoder formula"
+        if not activations:
+            notes.append("activations not modeled: the model config has no hidden_size/num_hidden_layers")
+    # The optimizer step's temporaries and the activations never coexist: count the larger.
+    optimizer = state + max(0, temporaries - activations)
+    if temporaries > activations:
+        sources["optimizer"] += (f": state {human(state)} + step temporaries {human(temporaries)} beyond the "
+                                 "activations (the step runs after they are freed)")
+    return StageEstimate(stage.name, stage.trainer.name, _adapter_label(stage.adapter), settings,
+                         sum(p.numel() for p in params) if params else total_before,
+                         sum(p.numel() for p in trainable), weights, gradients, optimizer, activations,
+                         sources=sources, notes=notes, residue=residue)
+
+
+def _adapter_label(sel: Any) -> str:
+    r = getattr(sel.options, "r", None)
+    return f"{sel.name} (r={r})" if isinstance(r, int) else sel.name
+
+
+def _settings(stage: Any, trainer: Any, device: str, calling: Callable, sources: dict, notes: list) -> Settings:
+    fn = _optional(trainer, "memory_settings")
+    if fn is not None:
+        with calling(stage.trainer, "memory_settings"):
+            raw = dict(fn())
+        notes.extend(str(n) for n in raw.pop("notes", None) or [])
+        sources["settings"] = f"trainer '{stage.trainer.name}'"
+    else:
+        o = trainer.options
+        raw = {"batch_size": getattr(o, "batch_size", None), "seq_len": getattr(o, "max_length", None),
+               "gradient_checkpointing": getattr(o, "gradient_checkpointing", None),
+               "optimizer": getattr(o, "optimizer", None), "precision": getattr(o, "precision", None)}
+        missing = [k for k, v in raw.items() if v is None]
+        if missing:
+            notes.append(f"trainer '{stage.trainer.name}' has no memory_settings() nor options "
+                         f"{', '.join(missing)}: assumed " + ", ".join(f"{k} {DEFAULTS[k]}" for k in missing))
+        sources["settings"] = "fallback: the trainer's options"
+    raw = {k: (DEFAULTS[k] if raw.get(k) is None else raw[k]) for k in DEFAULTS}
+    precision = raw["precision"]
+    if precision == "auto":  # as the built-in trainers: bf16 on a GPU that has it, else fp32
+        precision = "bf16" if device == "cuda" else "fp32"
+    return Settings(int(raw["batch_size"]), int(raw["seq_len"]), bool(raw["gradient_checkpointing"]),
+                    str(raw["optimizer"]), str(precision))
+
+
+def _meta_model(plan: Any, loader: Any, calling: Callable, sources: dict) -> tuple[Any, Any]:
+    fn = _optional(loader, "meta_model")
+    if fn is not None:
+        with calling(plan.model, "meta_model"):
+            out = fn()
+        sources["model"] = f"model loader '{plan.model.name}' meta_model()"
+    else:
+        out = _meta_from_path(plan, loader)
+        sources["model"] = "fallback: config.json at the loader's path"
+    model, config = out if isinstance(out, tuple) else (out, getattr(out, "config", None))
+    return model, config
+
+
+def _meta_from_path(plan: Any, loader: Any) -> tuple[Any, Any]:
+    path = getattr(loader.options, "path", None)
+    if not isinstance(path, (str, Path)) or not (Path(path) / "config.json").is_file():
+        raise FtcoreError(f"model loader '{plan.model.name}' cannot be estimated: it has no meta_model() and "
+                          "its options name no local folder with a config.json")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    dtype = getattr(config, "dtype", None) or torch.float32
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype), config
+
+
+def _param_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _checkpointing_on(model: Any) -> bool:
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(model, attr, None)
+        if isinstance(value, bool):
+            return value
+    return False
+
+
+def _weight_bytes(plan: Any, quantizer: Any, model: Any, loader: Any, calling: Callable, sources: dict,
+                  notes: list) -> int:
+    fn = _optional(quantizer, "weight_bytes")
+    if fn is not None:
+        with calling(plan.quantizer, "weight_bytes"):
+            value = int(fn(model))
+        sources["weights"] = f"quantizer '{plan.quantizer.name}' weight_bytes()"
+        return value
+    plain = _param_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
+    kwargs_fn = _optional(quantizer, "load_kwargs")
+    qconfig = None
+    if kwargs_fn is not None:
+        try:
+            qconfig = (kwargs_fn() or {}).get("quantization_config")
+        except Exception:
+            qconfig = None
+    if qconfig is None:
+        sources["weights"] = "parameters x their dtype size"
+        return plain
+    try:
+        value = _transformers_quantized_bytes(plan, loader, qconfig)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        notes.append(f"quantizer '{plan.quantizer.name}' has no weight_bytes() and transformers could not size its "
+                     f"quantization_config ({type(exc).__name__}: {first}): weights counted unquantized")
+        sources["weights"] = "fallback: parameters x their dtype size (unquantized)"
+        return plain
+    notes.append(f"quantizer '{plan.quantizer.name}' has no weight_bytes(): quantized weights sized by transformers' "
+                 "element size, without quantization constants or dtype changes its prepare() makes")
+    sources["weights"] = "fallback: transformers' quantizer element sizes"
+    return value
+
+
+def _transformers_quantized_bytes(plan: Any, loader: Any, qconfig: Any) -> int:
+    """The weights as transformers' own quantizer for ``qconfig`` would store them, on a fresh
+    meta model (its quantized layers are not what the adapter should see)."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    model, _ = _meta_model(plan, loader, lambda *a: contextlib.nullcontext(), {})
+    hf_quantizer = AutoHfQuantizer.from_config(qconfig)
+    hf_quantizer.preprocess_model(model, device_map=None, keep_in_fp32_modules=[])
+    total = 0.0
+    for name, p in model.named_parameters():
+        total += p.numel() * hf_quantizer.param_element_size(model, name, p)
+    return int(total)
+
+
+def generic_activation_bytes(config: Any, batch_size: int, seq_len: int, checkpointing: bool,
+                             precision: str = "fp32") -> int:
+    """A decoder-only transformer, when the trainer does not say: per layer about 16 hidden-width
+    and 4 MLP-width tensors saved for backward, and three full fp32 logits tensors (the logits,
+    their log-softmax and its gradient)."""
+    get = getattr(config, "get_text_config", None)
+    c = get() if callable(get) else config
+    h = getattr(c, "hidden_size", None)
+    layers = getattr(c, "num_hidden_layers", None)
+    if not h or not layers:
+        return 0
+    inter = getattr(c, "intermediate_size", None) or 4 * h
+    vocab = getattr(c, "vocab_size", 0) or 0
+    act = 2 if precision in ("bf16", "fp16") else 4
+    tokens = batch_size * seq_len
+    per_layer = tokens * (16 * h + 4 * inter) * act
+    logits = 3 * tokens * vocab * 4
+    if checkpointing:
+        return int(layers * tokens * h * act + 2 * per_layer + logits)
+    return int(layers * per_layer + logits)
+
+
+def _process_bytes() -> int:
+    from ftcore.memory import snapshot
+
+    mib = snapshot().get("rss_mib")
+    return int(mib * MiB) if mib else 0
+
+
+def _data_bytes(plan: Any) -> int:
+    total = 0
+    for sel in plan.data.values():
+        try:
+            for path in sel.create().inputs():
+                path = Path(path)
+                if path.is_file():
+                    total += path.stat().st_size
+        except Exception:
+            continue
+    return total
+
+
+# -- output -----------------------------------------------------------------------------------
+def stage_line(result: Estimate, s: StageEstimate) -> str:
+    st = s.settings
+    fits = result.fits(s)
+    verdict = "" if fits is None else (
+        f"; fits {human(result.budget)}" if fits else f"; does NOT fit {human(result.budget)}")
+    terms = " + ".join(f"{t} {human(getattr(s, t))}" for t in TERMS)
+    return (f"stage {s.stage}: {human(s.total)} peak ({result.device}) = {terms}; {s.trainer}, {s.adapter}, "
+            f"quantizer {result.quantizer}, batch {st.batch_size} x {st.seq_len} tokens, checkpointing "
+            f"{'on' if st.gradient_checkpointing else 'off'}, {st.optimizer}, {st.precision}, "
+            f"{s.trainable_params:,} of {s.total_params:,} parameters trainable{verdict}")
+
+
+def print_estimate(result: Estimate, console: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    for s in result.stages:
+        console.print(escape(stage_line(result, s)), highlight=False, soft_wrap=True)
+    if not result.stages:
+        console.print(f"{result.plan}: the plan has no stages: nothing trains", highlight=False)
+        return
+    table = Table(title=f"Estimated peak memory ({'RSS' if result.device == 'cpu' else 'GPU'}, "
+                        f"{result.device}), GiB", title_justify="left")
+    table.add_column("stage")
+    for t in (*TERMS, "total"):
+        table.add_column(t, justify="right")
+    if result.budget is not None:
+        table.add_column(f"fits {human(result.budget)}")
+    for s in result.stages:
+        row = [escape(s.stage), *(f"{getattr(s, t) / GiB:.2f}" for t in TERMS), f"[bold]{s.total / GiB:.2f}[/]"]
+        if result.budget is not None:
+            row.append("[green]yes[/]" if result.fits(s) else "[red]no[/]")
+        table.add_row(*row)
+    console.print(table)
+    notes = [*result.notes, *dict.fromkeys(n for s in result.stages for n in s.notes)]
+    for note in notes:
+        console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True, style="dim")
+
+
+def main_estimate(plan: Any, *, device: str, budget: str | None, as_json: bool, console: Any) -> int:
+    """The CLI command's body: 0 fits (or no budget), 1 does not fit."""
+    import json
+
+    try:
+        budget_bytes = parse_size(budget) if budget is not None else None
+    except ValueError as exc:
+        raise FtcoreError(f"--budget: {exc}") from None
+    # Never the network: a hub id is read from the local cache only (the built-in loaders also
+    # pass local_files_only); set before anything imports huggingface_hub.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    result = estimate_plan(plan, device=device, budget=budget_bytes)
+    if as_json:
+        sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+    else:
+        print_estimate(result, console)
+    return 1 if result.fits() is False else 0
+
+
+class EstimateCommand(Command):
+    """Predict each stage's peak memory, loading no weights.
+
+    Predict each stage's peak memory (weights, gradients, optimizer state, activations, overhead)
+    from the model's config, on the meta device: no weights are loaded and nothing is downloaded.
+    Exits 2 for a bad plan, 1 when --budget is given and a stage does not fit.
+    """
+
+    name = "estimate"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("plan", help="path to plan.toml")
+        parser.add_argument("--budget", help="memory available, e.g. 16GB or 800MB (binary units: 16GB = 16 GiB)")
+        parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                            help="where the run would train (default: cuda if this machine has one, else cpu)")
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from rich.console import Console
+
+        plan, _ = self.load_plan(args.plan)
+        return main_estimate(plan, device=args.device, budget=args.budget, as_json=args.json, console=Console())
+
+
+@ftcore.hookimpl
+def register_commands(register):
+    register(EstimateCommand)

@@ -1,0 +1,1 @@
+"""Helpers that several kinds of component share: chat rendering and label masks, tokenized-data preparation, memory estimates, preference scoring, reward models. Nothing here registers a component; a helper used by one kind alone lives in that kind's folder."""

@@ -1,0 +1,1 @@
+"""Evaluators: what is measured before, between and after the stages."""

@@ -1,0 +1,130 @@
+"""Evaluator ``perplexity``: token-weighted perplexity on held-out data.
+
+exp(total negative log-likelihood / total scored tokens), over every scored token of
+the data set, not a mean of per-batch or per-sample perplexities. Chat rows are scored
+on assistant tokens (what SFT trains); text rows on every token. Optionally the same
+sum is split by part (the prompt's tokens against the response's) and by row length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pydantic import field_validator
+
+import ftcore
+from ftcore.component import Component, Options
+from ftcore.errors import FtcoreError
+
+from ftcore_plugins.common.chat import IGNORE
+from ftcore_plugins.common.prepare import prepare
+
+
+@dataclass
+class RowScore:
+    """Summed NLL (nats) and token counts of one row: response = labelled tokens, prompt = the rest."""
+
+    length: int
+    nll: float
+    tokens: int
+    prompt_nll: float
+    prompt_tokens: int
+
+
+def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[RowScore]:
+    """Per-row NLL sums over right-padded batches, in the order of ``columns``."""
+    import torch
+
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids_col, labels_col = columns["input_ids"], columns["labels"]
+    scores: list[RowScore | None] = [None] * len(ids_col)
+    order = sorted(range(len(ids_col)), key=lambda i: len(ids_col[i]))  # similar lengths: little padding
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(order), batch_size):
+            idx = order[start:start + batch_size]
+            width = max(len(ids_col[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            labels = torch.full((len(idx), width), IGNORE, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                n = len(ids_col[i])
+                ids[row, :n] = torch.tensor(ids_col[i])
+                labels[row, :n] = torch.tensor(labels_col[i])
+                mask[row, :n] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+            # Token t is predicted from position t-1: every real token but the first has an NLL.
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(device),
+                                                    reduction="none").cpu()
+            del logits
+            response = labels[:, 1:] != IGNORE
+            prompt = mask[:, 1:].bool() & ~response
+            for row, i in enumerate(idx):
+                scores[i] = RowScore(len(ids_col[i]), nll[row][response[row]].sum().item(),
+                                     int(response[row].sum()), nll[row][prompt[row]].sum().item(),
+                                     int(prompt[row].sum()))
+            if progress is not None:
+                progress.advance(len(idx))
+    model.train(was_training)
+    return scores  # type: ignore[return-value]
+
+
+def summarize(rows: list[RowScore], prefix: str = "") -> dict[str, float]:
+    nll, tokens = sum(r.nll for r in rows), sum(r.tokens for r in rows)
+    if tokens == 0:
+        return {}
+    return {f"{prefix}perplexity": math.exp(nll / tokens), f"{prefix}nll": nll / tokens, f"{prefix}tokens": tokens}
+
+
+class Perplexity(Component):
+    """Token-weighted perplexity on held-out data (assistant tokens for chat, all tokens for text)."""
+
+    name = "perplexity"
+
+    class Options(Options):
+        batch_size: int = 8
+        max_length: int = 512
+        by_part: bool = False  # also report the prompt's tokens and the response's separately
+        length_buckets: list[int] = []  # upper bounds in tokens, e.g. [64, 256]: perplexity per row-length bucket
+
+        @field_validator("length_buckets")
+        @classmethod
+        def _ascending(cls, v: list[int]) -> list[int]:
+            if any(b <= 0 for b in v) or v != sorted(set(v)):
+                raise ValueError("must be positive token counts in ascending order, e.g. [64, 256]")
+            return v
+
+    def measure(self, ctx, data, model, label: str) -> dict[str, float]:
+        """The metrics of ``model`` on ``data`` (``ctx`` gives tokenizer, template and reporter)."""
+        prepared = prepare(data, ctx.tokenizer, ctx.template, max_length=self.options.max_length,
+                           reporter=ctx.reporter, description="tokenize")
+        columns = prepared.dataset.to_dict()
+        with ctx.reporter.progress(f"{label} ({ctx.phase})", len(columns["input_ids"])) as bar:
+            rows = score(model, ctx.tokenizer, columns, self.options.batch_size, bar)
+        metrics = summarize(rows)
+        if not metrics:
+            raise FtcoreError(f"evaluator '{self.name}': the data has no token to score")
+        if self.options.by_part:
+            prompt = [RowScore(r.length, r.prompt_nll, r.prompt_tokens, 0.0, 0) for r in rows]
+            metrics |= summarize(rows, "response/") | summarize(prompt, "prompt/")
+        low = 0
+        for high in [*self.options.length_buckets, None]:
+            inside = [r for r in rows if r.length > low and (high is None or r.length <= high)]
+            name = f"length_{low + 1}-{high}/" if high is not None else f"length_{low + 1}+/"
+            if self.options.length_buckets:
+                metrics |= summarize(inside, name) | {f"{name}rows": len(inside)}
+            low = high or low
+        return metrics
+
+    def evaluate(self, ctx):
+        if ctx.data is None:
+            raise FtcoreError(f"evaluator '{self.name}' needs data: set data = \"<name>\" in its [[evaluate]]")
+        return self.measure(ctx, ctx.data, ctx.model, self.name)
+
+
+@ftcore.hookimpl
+def register_evaluators(register):
+    register(Perplexity)

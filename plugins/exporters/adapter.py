@@ -1,0 +1,52 @@
+"""Exporter ``adapter``: the trained adapter as a peft folder (``PeftModel.from_pretrained`` loads it)."""
+
+from __future__ import annotations
+
+import ftcore
+from ftcore.component import Component
+from ftcore.errors import FtcoreError
+
+from ftcore_plugins.exporters._card import write_card
+
+USAGE = """
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base}")  # the model the adapter was trained on
+model = PeftModel.from_pretrained(base, "{path}")
+tokenizer = AutoTokenizer.from_pretrained("{path}")
+"""
+
+
+def last_adapter_is_peft(plan) -> bool:
+    return bool(plan.stages) and bool(getattr(plan.stages[-1].adapter.reg.cls, "peft", False))
+
+
+class AdapterExporter(Component):
+    """The trained adapter as a peft folder, with the tokenizer and a model card beside it."""
+
+    name = "adapter"
+
+    def check(self, plan):
+        if not last_adapter_is_peft(plan):
+            used = plan.stages[-1].adapter.name if plan.stages else "no stage"
+            return [f"exporter 'adapter' needs the last stage to train a peft adapter (it uses {used!r}); "
+                    "use [[export]] use = \"merged\" instead"]
+        return []
+
+    def export(self, ctx):
+        if ctx.adapter is None or not getattr(ctx.adapter, "peft", False):
+            raise FtcoreError("exporter 'adapter': the model has no peft adapter to export")
+        ctx.path.mkdir(parents=True, exist_ok=True)
+        ctx.model.save_pretrained(ctx.path)
+        ctx.tokenizer.save_pretrained(ctx.path)
+        config = ctx.model.peft_config[ctx.model.active_adapter]
+        base = config.base_model_name_or_path or "path/to/base-model"
+        write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
+                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=ctx.path))
+        return ctx.path
+
+
+@ftcore.hookimpl
+def register_exporters(register):
+    register(AdapterExporter)

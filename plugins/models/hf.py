@@ -1,0 +1,71 @@
+"""Model loader ``hf``: a transformers causal LM from a local folder or a hub id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import SecretStr, field_validator
+
+import ftcore
+from ftcore.component import Component, Options
+from ftcore.errors import FtcoreError
+
+from ftcore_plugins.common.model import resolve_model_path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class HFModelLoader(Component):
+    """A transformers causal LM from a local folder (or a hub id where the network allows)."""
+
+    name = "hf"
+
+    class Options(Options):
+        path: str
+        tokenizer: str | None = None  # defaults to path
+        dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
+        revision: str | None = None
+        trust_remote_code: bool = False  # never on unless the plan says so
+        attn_implementation: str | None = None
+        token: SecretStr | None = None  # hub token; redacted from the manifest
+
+        _paths = field_validator("path", "tokenizer")(resolve_model_path)
+
+    def load(self, ctx):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        o = self.options
+        common = {"revision": o.revision, "trust_remote_code": o.trust_remote_code,
+                  "token": o.token.get_secret_value() if o.token else None}
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(o.tokenizer or o.path, **common)
+            kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
+            if o.attn_implementation:
+                kwargs["attn_implementation"] = o.attn_implementation
+            model = AutoModelForCausalLM.from_pretrained(o.path, **common, **kwargs)
+        except OSError as exc:
+            local = Path(o.path).exists()
+            hint = "" if local else " (not a local folder, and the hub is unreachable or the id is wrong)"
+            raise FtcoreError(f"model.path: cannot load {o.path!r}{hint}: {str(exc).splitlines()[0]}") from exc
+        if tokenizer.pad_token is None:
+            # Labels are built from spans, not from the pad mask, so pad == eos is safe here.
+            tokenizer.pad_token = tokenizer.eos_token
+        return model, tokenizer
+
+    def meta_model(self):
+        """For ``ftcore estimate``: the model on the meta device (no weights read) and its config."""
+        from ftcore_plugins.common.estimate import hf_meta_model
+
+        return hf_meta_model(self)
+
+    def checkpoint_residue_bytes(self, quantized: bool) -> int:
+        """For ``ftcore estimate``: checkpoint file pages that stay resident after loading."""
+        from ftcore_plugins.common.estimate import hf_checkpoint_residue_bytes
+
+        return hf_checkpoint_residue_bytes(self, quantized)
+
+
+@ftcore.hookimpl
+def register_model_loaders(register):
+    register(HFModelLoader)

@@ -1,0 +1,1 @@
+"""Reward functions for the online trainers (GRPO, RLOO, PPO)."""

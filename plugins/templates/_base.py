@@ -1,0 +1,193 @@
+"""Shared base for chat template families defined by a Jinja chat template.
+
+A family is one Jinja string (the single source of truth: the same text renders
+training data, is saved as the exported tokenizer's ``chat_template``, and is what a
+tokenizer's own ``apply_chat_template`` would render), the special tokens that string
+writes, and the end-of-turn tokens generation stops at. Rendering goes through
+``transformers``' ``apply_chat_template``, so ``bos_token`` and ``eos_token`` in the
+template are the tokenizer's own.
+
+Templates must render prefix by prefix: rendering ``messages[:i]`` with the generation
+prompt, then ``messages[:i + 1]``, must give prefixes of the whole conversation's text,
+because that is how :func:`ftcore_plugins.common.chat.render_with_spans` finds the assistant
+turns to train on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from ftcore.component import Component, Options
+from ftcore.errors import FtcoreError
+
+# Jinja run before a family's own template when ``system = "merge"``: a first system
+# message is joined to the first user message with a blank line, as Gemma 3's and
+# Mistral's later templates do. Saved with the exported tokenizer, so it renders the same.
+MERGE_SYSTEM = (
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- if messages | length > 1 and messages[1]['role'] == 'user' -%}"
+    "{%- set messages = [{'role': 'user', 'content': messages[0]['content'] + '\\n\\n' + messages[1]['content']}]"
+    " + messages[2:] -%}"
+    "{%- else -%}"
+    "{{- raise_exception('a system message can only be merged into a user message right after it') -}}"
+    "{%- endif -%}"
+    "{%- endif %}"
+)
+MERGE_JOIN = "\n\n"
+
+
+class NoSystemOptions(Options):
+    """Options of a family whose format has no system role."""
+
+    system: Literal["error", "merge"] = "error"
+    """``error``: a system message is an error. ``merge``: a first system message is
+    prepended to the first user message, joined by a blank line (``"\\n\\n"``)."""
+
+
+class JinjaTemplate(Component):
+    """A chat template family defined by one Jinja chat template.
+
+    Subclasses set ``name``, ``template`` and, as needed, the class attributes below.
+    """
+
+    template: ClassVar[str] = ""
+    """The Jinja chat template, rendered by transformers with ``trim_blocks`` and
+    ``lstrip_blocks``, as a tokenizer's own chat template is."""
+    special_tokens: ClassVar[tuple[str, ...]] = ()
+    """Tokens the template writes that must be single special tokens; ``prepare`` adds
+    the ones a tokenizer lacks."""
+    stop_tokens: ClassVar[tuple[str, ...]] = ()
+    """End-of-turn tokens besides EOS; the first closes every assistant turn. Empty when
+    turns end with ``eos_token``."""
+    bos_token: ClassVar[str | None] = None
+    eos_token: ClassVar[str | None] = None
+    """What ``bos_token``/``eos_token`` render as when the tokenizer has none (or no
+    tokenizer is given); ``prepare`` then sets them on the tokenizer. ``None``: the
+    template does not need one."""
+    system_role: ClassVar[bool] = True
+    """False for formats without a system role; such families take ``NoSystemOptions``."""
+
+    # -- the template actually used ------------------------------------------------
+
+    def chat_template(self) -> str:
+        """The Jinja text this component renders with and saves with the tokenizer."""
+        if not self.system_role and getattr(self.options, "system", "error") == "merge":
+            return MERGE_SYSTEM + self.template
+        return self.template
+
+    def end_of_turn(self, tokenizer: Any = None) -> str | None:
+        """The token that closes an assistant turn."""
+        if self.stop_tokens:
+            return self.stop_tokens[0]
+        return _token(tokenizer, "eos_token") or self.eos_token
+
+    # -- rendering ------------------------------------------------------------------
+
+    def render(self, messages: list[dict], tokenizer: Any = None, add_generation_prompt: bool = False) -> str:
+        messages = list(messages)
+        if not self.system_role:
+            self._check_system(messages)
+        template = self.chat_template()
+        defaults = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
+                    if v is not None and _token(tokenizer, k) is None}
+        import jinja2  # transformers renders chat templates with it
+
+        try:
+            if tokenizer is not None and messages:
+                return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt, **defaults)
+            # No tokenizer, or nothing to render yet (apply_chat_template refuses an empty
+            # conversation): the same renderer, fed the same variables.
+            from transformers.utils.chat_template_utils import render_jinja_template
+
+            variables = {**(dict(tokenizer.special_tokens_map) if tokenizer is not None else {}), **defaults}
+            rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
+                                                add_generation_prompt=add_generation_prompt, **variables)
+            return rendered[0]
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # raise_exception, undefined values
+            raise FtcoreError(f"template '{self.name}' cannot render this conversation: {_one_line(exc)}") from exc
+
+    def _check_system(self, messages: list[dict]) -> None:
+        for i, message in enumerate(messages):
+            if message.get("role") != "system":
+                continue
+            if i > 0:
+                raise FtcoreError(f"template '{self.name}' has no system role, and message {i} is a system message "
+                                  "after the start of the conversation; only a first system message can be merged "
+                                  "into the first user turn")
+            if getattr(self.options, "system", "error") != "merge":
+                raise FtcoreError(f"template '{self.name}' has no system role, and this conversation starts with a "
+                                  'system message; set system = "merge" in [template] to prepend it to the first '
+                                  "user turn")
+
+    # -- preparing model and tokenizer -------------------------------------------------
+
+    def required_tokens(self) -> list[str]:
+        """Special tokens the rendered text relies on (besides bos/eos)."""
+        return list(dict.fromkeys([*self.special_tokens, *self.stop_tokens]))
+
+    def prepare(self, model: Any, tokenizer: Any) -> tuple[Any, Any]:
+        """Make the template's markers single special tokens (growing the embeddings only
+        when a token was added), ship the template with the tokenizer so exported models
+        render prompts exactly as training did, and stop generation at end of turn."""
+        template = self.chat_template()
+        added = 0
+        for key, default in (("bos_token", self.bos_token), ("eos_token", self.eos_token)):
+            if default is not None and key in template and _token(tokenizer, key) is None:
+                added += tokenizer.add_special_tokens({key: default})
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in self.required_tokens() if t not in vocab]
+        if missing:
+            added += tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
+        if added:
+            rows = model.get_input_embeddings().weight.shape[0]
+            if len(tokenizer) > rows:  # never shrink: some models carry spare rows
+                model.resize_token_embeddings(len(tokenizer))
+        tokenizer.chat_template = template
+        config = getattr(model, "generation_config", None)
+        end = self.end_of_turn(tokenizer)
+        if config is not None and end is not None:
+            end_id = tokenizer.convert_tokens_to_ids(end)
+            eos = config.eos_token_id
+            eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            if end_id is not None and end_id not in eos:
+                config.eos_token_id = [*eos, end_id]
+            if config.pad_token_id is None:
+                config.pad_token_id = tokenizer.pad_token_id
+        return model, tokenizer
+
+
+def _token(tokenizer: Any, key: str) -> str | None:
+    value = getattr(tokenizer, key, None) if tokenizer is not None else None
+    return str(value) if value else None
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+# -- Jinja files ---------------------------------------------------------------------
+
+
+def parse_jinja(text: str, path: Any) -> None:
+    """Raise a one-line :class:`FtcoreError` naming ``path`` if ``text`` is not a valid
+    chat template (Jinja as transformers renders it). Needs only jinja2."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):  # transformers' {% generation %} block
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    try:
+        env.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise FtcoreError(f"{path}:{exc.lineno}: not a valid Jinja chat template: {_one_line(exc)}") from None

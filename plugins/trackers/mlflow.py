@@ -1,0 +1,107 @@
+"""Tracker ``mlflow``: an MLflow run with the plan as parameters and every metric by step; by
+default in a SQLite store under the run directory (MLflow 3 refuses new file stores)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import ftcore
+from ftcore import rundir
+from ftcore.component import Component, Options
+from ftcore.types import OutputPath
+
+from ftcore_plugins.trackers import _base as _tracking
+
+# MLflow's limits on names and parameter values (mlflow.utils.validation).
+_BAD_NAME = re.compile(r"[^/\w.\- :]")
+_MAX_KEY, _MAX_VALUE, _BATCH = 250, 6000, 100
+_STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+
+
+class MLflow(Component):
+    """MLflow run (local SQLite store by default): metrics by step, the plan as parameters, status.
+
+    Metrics are ``<stage>/<metric>`` at the trainer's optimizer step (one-off values at step 0),
+    each step's final metrics ``<stage>/final/<metric>``; the redacted plan is flattened into
+    parameters (``stage.0.learning_rate``); the run ends FINISHED, FAILED or KILLED."""
+
+    name = "mlflow"
+
+    class Options(Options):
+        tracking_uri: str | None = None  # default: sqlite:///<dir>/mlflow.db
+        dir: OutputPath | None = None  # default: <run dir>/tracking/mlflow (the store and artifacts)
+        experiment: str = "ftcore"
+        run_name: str | None = None  # default: the plan's [run] name
+        tags: dict[str, str] = {}
+
+    def __init__(self, options=None):
+        super().__init__(options)
+        self._client = None
+        self._run_id = ""
+
+    def check(self, plan):
+        uri = self.options.tracking_uri
+        # The SQLite store needs SQLAlchemy and Alembic, which mlflow-skinny leaves out.
+        modules = ("mlflow", "sqlalchemy", "alembic") if uri is None or uri.startswith("sqlite") else ("mlflow",)
+        return _tracking.missing(modules, "mlflow-skinny sqlalchemy alembic")
+
+    @ftcore.hookimpl
+    def ftcore_run_start(self, run):
+        if not run.is_main:
+            return
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        o = self.options
+        uri, artifacts = o.tracking_uri, None
+        if uri is None:
+            where = _tracking.folder(run, o.dir, "mlflow")
+            uri, artifacts = f"sqlite:///{where / 'mlflow.db'}", (where / "artifacts").as_uri()
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name(o.experiment)
+        experiment_id = experiment.experiment_id if experiment else \
+            client.create_experiment(o.experiment, artifact_location=artifacts)
+        tags = {"ftcore.run_dir": str(run.run_dir), "ftcore.plan_fingerprint": run.plan.fingerprint(), **o.tags}
+        self._run_id = client.create_run(experiment_id, run_name=o.run_name or run.plan.run_name,
+                                         tags=tags).info.run_id
+        params = [Param(_key(k), v[:_MAX_VALUE]) for k, v in _tracking.flat_plan(run).items()]
+        for i in range(0, len(params), _BATCH):
+            client.log_batch(self._run_id, params=params[i:i + _BATCH])
+        self._client = client
+
+    @ftcore.hookimpl
+    def ftcore_log(self, run, stage, step, metrics):
+        self._log(stage, step or 0, _tracking.numbers(metrics))
+
+    @ftcore.hookimpl
+    def ftcore_stage_end(self, run, stage, metrics, seconds):
+        if run.is_main:
+            self._log(f"{stage}/final", 0, {**_tracking.numbers(metrics), "seconds": seconds})
+
+    @ftcore.hookimpl
+    def ftcore_run_end(self, run, error):
+        if self._client is None or not run.is_main:
+            return
+        if error is not None:
+            self._client.set_tag(self._run_id, "ftcore.error", _tracking.error_line(error))
+        self._client.set_terminated(self._run_id, _STATUS[rundir.run_status(error)])
+        self._client = None
+
+    def _log(self, prefix: str, step: int, values: dict[str, float]) -> None:
+        if self._client is None or not values:  # run_start failed; that was reported once already
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(self._run_id, metrics=[Metric(_key(f"{prefix}/{k}"), v, now, step)
+                                                      for k, v in values.items()])
+
+
+def _key(name: str) -> str:
+    return _BAD_NAME.sub("_", name)[:_MAX_KEY]
+
+
+@ftcore.hookimpl
+def register_trackers(register):
+    register(MLflow)

@@ -1,0 +1,431 @@
+"""What every trainer shares: options, the transformers/TRL run, checkpoints, progress and metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ftcore.component import Options
+
+from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
+
+
+class TrainOptions(Options):
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int = -1  # overrides epochs when > 0
+    learning_rate: float = Field(2e-4, ge=0)
+    batch_size: int = Field(8, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)  # the loss is normalised by the tokens of all micro-batches
+    max_length: int = Field(512, ge=1)
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)  # share of the steps spent warming up
+    warmup_steps: int = Field(0, ge=0)  # or a number of steps
+    weight_decay: float = Field(0.0, ge=0)
+    optimizer: str = "adamw_torch"
+    max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
+    gradient_checkpointing: bool = False
+    # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    logging_steps: int = Field(10, ge=1)
+    save_steps: int = Field(50, ge=1)  # checkpoint every N steps, for --resume
+    save_total_limit: int | None = Field(2, ge=1)  # marked checkpoints kept (the best one is kept on top); None: all
+    eval_steps: int | None = Field(None, ge=1)  # evaluate eval_data every N steps; default: each epoch
+    early_stopping_patience: int | None = Field(None, ge=1)  # stop after N evaluations without improvement
+    early_stopping_threshold: float = Field(0.0, ge=0)  # an eval_loss drop no larger than this is no improvement
+    load_best_at_end: bool | None = None  # end with the best checkpoint by eval_loss; default: with early stopping
+    guard_nan: Literal["stop", "skip"] = "stop"  # on a NaN/inf loss or gradient norm
+    guard_spike_factor: float | None = Field(3.0, gt=1)  # warn when a step's loss exceeds this x the recent mean
+    guard_spike_window: int = Field(20, ge=2)  # steps in that mean
+    guard_max_grad_norm: float | None = Field(None, gt=0)  # warn when the gradient norm (before clipping) exceeds it
+
+
+def training_problems(component: Any, plan: Any) -> list[str]:
+    """``check(plan)`` problems of the shared training options, for the stages that use ``component``."""
+    o = component.options
+    stages = [s for s in plan.stages if s.trainer.options is o]
+    problems = []
+    if o.warmup_ratio and o.warmup_steps:
+        problems.append("warmup_steps: set warmup_ratio or warmup_steps, not both")
+    d = getattr(plan, "distributed", None)
+    if o.guard_nan == "skip" and d is not None and d.wanted and d.engine == "deepspeed":
+        problems.append("guard_nan: \"skip\" cannot drop a step's gradients under DeepSpeed (they live in its "
+                        "partitions until its optimizer step); use \"stop\" with engine = \"deepspeed\"")
+    if o.precision == "fp16" and not _gpu_visible():
+        problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
+    for stage in stages:
+        if stage.eval_data is not None:
+            continue
+        for key in ("eval_steps", "early_stopping_patience"):
+            if getattr(o, key) is not None:
+                problems.append(f"{key}: stage '{stage.name}' has no eval_data to evaluate; "
+                                "set eval_data = \"<data name>\" on the stage")
+        if o.load_best_at_end:
+            problems.append(f"load_best_at_end: stage '{stage.name}' has no eval_data, so no checkpoint is "
+                            "best by eval_loss; set eval_data on the stage")
+    return problems
+
+
+class TrainChecks:
+    """Mixin for trainers built on ``TrainOptions``: ``ftcore validate`` checks the shared options."""
+
+    def check(self, plan: Any) -> list[str]:
+        return training_problems(self, plan)
+
+
+def _gpu_visible() -> bool:
+    """Whether this machine shows a CUDA/ROCm device, without importing torch (validate stays light)."""
+    import glob
+    import os
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
+
+
+def progress_callback(reporter: Any, stage: str):
+    from transformers import TrainerCallback
+
+    class RichProgress(TrainerCallback):
+        """Draws the stage's progress bar and records the Trainer's logs as metrics."""
+
+        def __init__(self):
+            self._cm = self._bar = None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self._cm = reporter.progress(f"train {stage}", state.max_steps)
+            self._bar = self._cm.__enter__()
+            self._bar.update(completed=state.global_step)
+
+        def on_step_end(self, args, state, control, **kw):
+            self._bar.update(completed=state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logs = {k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}
+            reporter.log(stage, logs, step=state.global_step)
+            if "loss" in logs and self._bar is not None:
+                self._bar.update(note=f"loss {logs['loss']:.4f}")
+
+        def on_train_end(self, args, state, control, **kw):
+            self.close()
+
+        def close(self):
+            if self._cm is not None:
+                self._cm.__exit__(None, None, None)
+                self._cm = None
+
+    return RichProgress()
+
+
+def resolve_precision(precision: str) -> str:
+    """``auto``: bf16 on a GPU that has it, fp16 on a GPU without, else fp32."""
+    import torch
+
+    if precision != "auto":
+        return precision
+    if not torch.cuda.is_available():
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dict[str, Any]:
+    """The TrainingArguments every trainer shares, from the stage's options."""
+    import torch
+
+    from ftcore.errors import FtcoreError
+
+    precision = resolve_precision(o.precision)
+    if precision == "fp16" and not torch.cuda.is_available():
+        raise FtcoreError(f"stage {ctx.stage}: precision = \"fp16\" needs a CUDA GPU; "
+                          "use \"auto\", \"bf16\" or \"fp32\"")
+    scheduler = "constant_with_warmup" if o.lr_scheduler == "constant" and (o.warmup_ratio or o.warmup_steps) \
+        else o.lr_scheduler
+    evaluating = evaluation is not None
+    return dict(
+        output_dir=str(ctx.checkpoint_dir),
+        num_train_epochs=o.epochs,
+        max_steps=o.max_steps,
+        per_device_train_batch_size=o.batch_size,
+        per_device_eval_batch_size=o.batch_size,
+        gradient_accumulation_steps=o.gradient_accumulation_steps,
+        learning_rate=o.learning_rate,
+        lr_scheduler_type=scheduler,
+        warmup_steps=o.warmup_steps or o.warmup_ratio,  # a float below 1 is a ratio of the total steps
+        weight_decay=o.weight_decay,
+        optim=o.optimizer,
+        max_grad_norm=o.max_grad_norm,
+        activation_checkpointing=o.gradient_checkpointing,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        logging_steps=o.logging_steps,
+        save_strategy="steps",
+        save_steps=o.save_steps,
+        save_total_limit=None,  # rotated by our checkpoint keeper, only after the new checkpoint is marked
+        eval_strategy=("steps" if o.eval_steps else "epoch") if evaluating else "no",
+        eval_steps=o.eval_steps,
+        # The best checkpoint is tracked by eval loss; the keeper saves at each evaluation so it is on disk.
+        metric_for_best_model="eval_loss" if evaluating else None,
+        greater_is_better=False if evaluating else None,
+        report_to="none",
+        disable_tqdm=True,
+        seed=ctx.seed,
+        dataloader_pin_memory=torch.cuda.is_available(),
+        **distributed_arguments(ctx.run),
+    )
+
+
+def distributed_arguments(run: Any) -> dict[str, Any]:
+    """TrainingArguments for the plan's ``[distributed]`` engine when the run has several processes."""
+    d = getattr(run.plan, "distributed", None)
+    if run.world_size == 1 or d is None or d.accelerate_config is not None:
+        return {}  # an accelerate config: `accelerate launch` passed its engine to the workers' environment
+    import torch
+
+    args: dict[str, Any] = {"ddp_backend": d.resolved_backend()}
+    if not torch.cuda.is_available() and d.engine != "deepspeed":
+        args["use_cpu"] = True  # accelerate treats several CPU processes as distributed only when told
+    if d.engine == "deepspeed":
+        args["deepspeed"] = str(d.deepspeed_config) if d.deepspeed_config else deepspeed_config(d)
+        if not torch.cuda.is_available():
+            _deepspeed_state_on_cpu(args["ddp_backend"])
+            args["accelerator_config"] = {"use_configured_state": True}
+    elif d.engine == "fsdp":
+        from ftcore.launch import FSDP2_SHARDING
+
+        args["fsdp"] = True
+        args["fsdp_config"] = {
+            "version": 2, "reshard_after_forward": FSDP2_SHARDING[d.fsdp_sharding], "cpu_offload": d.offload_params,
+            # every rank writes its shard (torch.distributed.checkpoint); a full state dict is gathered
+            # once, at the end of the stage, for the stage output and exports
+            "state_dict_type": "SHARDED_STATE_DICT",
+            # transformer_layer wraps each of the model's _no_split_modules (its decoder layers)
+            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if d.fsdp_wrap == "transformer_layer" else "SIZE_BASED_WRAP"}
+    return args
+
+
+def deepspeed_config(d: Any) -> dict[str, Any]:
+    """A DeepSpeed config from the plan; "auto" values are filled by transformers from the stage's options."""
+    zero: dict[str, Any] = {"stage": d.zero_stage}
+    if d.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if d.offload_params:
+        zero["offload_param"] = {"device": "cpu"}
+    if d.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True  # checkpoints and exports get full weights
+    # No train_batch_size: DeepSpeed derives it from these and the world size it sees.
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+
+
+def _deepspeed_state_on_cpu(backend: str) -> None:
+    """transformers starts accelerate's state for DeepSpeed without a backend, and accelerate picks one
+    only for accelerator devices: on CPU it then counts one process, and the first gather fails. A state
+    started here with the backend (kept by ``use_configured_state``) counts every process. It is started
+    afresh for each stage, so each stage's Trainer gets its own DeepSpeed plugin."""
+    import os
+
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as TrainingArguments sets it around the same call
+    try:
+        PartialState(backend=backend)
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+
+
+def _fsdp_on_cpu(trainer: Any) -> None:
+    """accelerate turns FSDP on only for accelerator devices and keeps several CPU processes on DDP,
+    though torch's FSDP2 shards over gloo; CPU runs (the tests' parity runs) get the FSDP they asked for."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if trainer.args.fsdp_plugin_args is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(**trainer.args.fsdp_plugin_args)
+    state.distributed_type = DistributedType.FSDP
+    trainer.is_fsdp_enabled = True
+
+
+def meta_copy(model: Any) -> Any:
+    """The model's structure with its weights on the meta device (no memory): a plain model to load
+    consolidated weights into once a sharding engine has taken the trained one apart."""
+    import copy
+
+    import torch
+
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
+def consolidated(trainer: Any, skeleton: Any) -> Any | None:
+    """The trained model as a plain, whole model on every rank, when FSDP or ZeRO-3 sharded its weights
+    (None when they are whole already: DDP, ZeRO-2), so evaluations, the stage output and exports see
+    the full weights."""
+    ds = trainer.accelerator.state.deepspeed_plugin if trainer.is_deepspeed_enabled else None
+    if trainer.is_fsdp_enabled:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+    elif ds is not None and ds.zero_stage == 3:
+        import deepspeed
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        module = trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        unset_hf_deepspeed_config()  # later from_pretrained calls must not partition their models
+    else:
+        return None
+    skeleton.load_state_dict(state, assign=True)
+    if hasattr(skeleton, "tie_weights"):
+        skeleton.tie_weights()  # assign=True gave tied weights separate tensors
+    return skeleton.to(next(iter(state.values())).device)
+
+
+def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, *, train: Any,
+                evaluation: Any | None, config: dict[str, Any] | None = None, strip_patches: bool = True,
+                **trainer_kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """Train ``ctx.model`` with a transformers/TRL ``trainer_cls`` configured by ``config_cls``
+    (e.g. ``DPOTrainer``/``DPOConfig``): the shared arguments, callbacks, resume and metrics.
+    ``strip_patches=False`` leaves TRL's forward patches on the model, for a caller that still uses
+    the returned trainer; it must call ``strip_forward_patches`` itself afterwards.
+    ``config`` adds or overrides config fields; ``trainer_kwargs`` go to the trainer (``callbacks``
+    are added to ours). Every trainer built here gets: checkpoints marked and rotated, the best by
+    eval loss kept, early stopping, the stability guard, and SIGINT/SIGTERM handling (a checkpoint
+    at the end of the current step, then :class:`ftcore.errors.Interrupted`).
+    Returns the trainer and the stage's final metrics."""
+    import torch
+    from transformers import EarlyStoppingCallback, PrinterCallback
+
+    from ftcore_plugins.trainers._callbacks import GracefulStop, StabilityGuard, attach_guard, checkpoint_keeper, newest_checkpoint, \
+        stop_on_signal
+
+    class EarlyStopping(EarlyStoppingCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            pass  # its warning about load_best_model_at_end does not apply: we load the best ourselves
+
+    args = config_cls(**{**training_arguments(ctx, o, evaluation), **(config or {})})
+    # An adapter that brings its own optimizer (loraplus) builds it: ``adapter.optimizer(model, args)``.
+    # Passed as a factory, the Trainer builds it once the model is on its device.
+    build = getattr(ctx.adapter, "optimizer", None)
+    if build is not None:
+        trainer_kwargs.setdefault("optimizer_cls_and_kwargs", ((lambda: lambda model: build(model, args)), {}))
+    counts = trainable_counts(ctx.model)
+    ctx.reporter.log(ctx.stage, counts, step=0)
+    skeleton = meta_copy(ctx.model) if ctx.run.world_size > 1 else None
+    evaluating = evaluation is not None
+    progress = progress_callback(ctx.reporter, ctx.stage)
+    stop = GracefulStop()
+    callbacks = [progress, checkpoint_keeper(o.save_total_limit, save_each_evaluation=evaluating),
+                 stop_on_signal(stop), *trainer_kwargs.pop("callbacks", [])]
+    early = EarlyStopping(o.early_stopping_patience, o.early_stopping_threshold) \
+        if evaluating and o.early_stopping_patience else None
+    if early is not None:
+        callbacks.append(early)
+    trainer = trainer_cls(model=ctx.model, args=args, train_dataset=train, eval_dataset=evaluation,
+                          processing_class=ctx.tokenizer, callbacks=callbacks, **trainer_kwargs)
+    trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
+    _fsdp_on_cpu(trainer)
+    guard = StabilityGuard(ctx.reporter, ctx.stage, nan=o.guard_nan, spike_factor=o.guard_spike_factor,
+                           window=o.guard_spike_window, max_grad_norm=o.guard_max_grad_norm)
+    trainer.add_callback(attach_guard(trainer, guard))
+    # TRL casts the trainable weights of a quantized model to bf16 when it builds the trainer;
+    # adapters train in fp32 (QLoRA keeps only the frozen base in low precision).
+    if getattr(trainer.model, "is_quantized", False) or getattr(trainer.model, "is_loaded_in_4bit", False) \
+            or getattr(trainer.model, "is_loaded_in_8bit", False):
+        for p in trainer.model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
+    try:
+        with stop:
+            result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+    finally:
+        progress.close()  # also when the guard or an error ends training
+    if stop.requested:
+        raise stop.interrupted(ctx.stage, trainer.state.global_step, newest_checkpoint(ctx.checkpoint_dir),
+                               getattr(getattr(ctx.run, "plan", None), "path", None))
+    best = trainer.state.best_model_checkpoint
+    load_best = o.load_best_at_end if o.load_best_at_end is not None else bool(o.early_stopping_patience)
+    if evaluating and load_best and best:
+        trainer._load_best_model()  # the Trainer's own loader: full weights or adapter, as it saved them
+    # The next stage gets the model without the trainer's per-instance forward patches.
+    ctx.model = strip_forward_patches(trainer.model) if strip_patches else trainer.model
+    if skeleton is not None:
+        ctx.model = consolidated(trainer, skeleton) or ctx.model
+    steps = result.global_step - trainer._initial_global_step  # this process's steps (after a resume: since it)
+    trained = steps - guard.skipped
+    metrics: dict[str, Any] = {
+        # The Trainer averages over every step; skipped steps added no loss, so average over trained ones.
+        "train_loss": result.training_loss * steps / trained if trained else float("nan"),
+        "global_step": result.global_step, "train_seconds": result.metrics.get("train_runtime"),
+        **counts, **guard.counts()}
+    # Real (non-padding) tokens, as counted by TRL from the attention masks it trained on.
+    tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+    if tokens:
+        metrics["train_tokens"] = int(tokens[-1])
+        if metrics["train_seconds"]:
+            metrics["tokens_per_second"] = tokens[-1] / metrics["train_seconds"]
+    evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
+    if evals:
+        metrics["eval_step"], metrics["eval_loss"] = evals[-1]  # the last evaluation
+        metrics["eval_perplexity"] = math.exp(min(evals[-1][1], 50))
+        if best and trainer.state.best_metric is not None:
+            metrics["best_step"] = int(Path(best).name.rpartition("-")[2])
+            metrics["best_eval_loss"] = trainer.state.best_metric
+            metrics["best_checkpoint"] = best
+        metrics["final_model"] = "best" if load_best and best else "last"
+        if early is not None:
+            metrics["stopped_early"] = early.early_stopping_patience_counter >= early.early_stopping_patience
+    return trainer, metrics
+
+
+def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, packing: bool,
+            packing_strategy: str = "bfd") -> dict[str, Any]:
+    """Train ``ctx.model`` with TRL's SFTTrainer on pre-tokenized ``input_ids``/``labels``."""
+    from trl import SFTConfig, SFTTrainer
+
+    _, metrics = run_trainer(ctx, o, SFTTrainer, SFTConfig, train=train, evaluation=evaluation,
+                             config=dict(max_length=o.max_length, packing=packing,
+                                         packing_strategy=packing_strategy, dataset_num_proc=None))
+    return metrics
+
+
+def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "truncate_response",
+                    train_on_inputs: bool = False, batch_size: int = 8,
+                    packed_length: int | None = None) -> tuple[Any, Any]:
+    """Tokenize the stage's train and eval rows (cached), and report what was kept,
+    truncated and dropped, the length percentiles and, for ``packed_length``, packing."""
+    from ftcore.errors import FtcoreError
+
+    from ftcore_plugins.common.prepare import packing_report, prepare
+
+    out, shown = [], []
+    for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):
+        if rows is None:
+            out.append(None)
+            continue
+        prepared = prepare(rows, ctx.tokenizer, ctx.template, max_length=max_length, truncation=truncation,
+                           train_on_inputs=train_on_inputs, reporter=ctx.reporter,
+                           description=f"tokenize {label}")
+        stats = dict(prepared.stats, cache="hit" if prepared.cache_hit else "miss")
+        if packed_length and stats["kept"]:
+            stats.update(packing_report(prepared.dataset, packed_length, batch_size))
+        ctx.reporter.data_report(f"{ctx.stage}/{label}", stats)
+        ctx.reporter.log(ctx.stage, {f"data/{label}_{k}": v for k, v in stats.items() if k != "cache"})
+        shown.append([label, stats["rows"], stats["kept"], stats["truncated"],
+                      stats["dropped_too_long"] + stats["dropped_no_labels"], stats["tokens"],
+                      stats["label_tokens"], f"{stats.get('length_p50', 0)}/{stats.get('length_p90', 0)}/"
+                      f"{stats.get('length_max', 0)}", stats["cache"]])
+        if not stats["kept"]:
+            raise FtcoreError(f"stage {ctx.stage}: no {label} sample is left with a token to learn after "
+                              f"masking and max_length={max_length} ({truncation}); see data_report.json")
+        out.append(prepared.dataset)
+    ctx.reporter.table(f"data for stage {ctx.stage} (data_report.json has more)",
+                       ["split", "rows", "kept", "trunc.", "dropped", "tokens", "trained", "length", "cache"],
+                       shown)
+    return out[0], out[1]

@@ -1,0 +1,75 @@
+"""Trainer ``orpo``: Odds Ratio Preference Optimization (TRL's experimental ORPOTrainer): SFT on the
+chosen answers plus an odds-ratio penalty on the rejected ones, with no reference model.
+
+TRL keeps ORPO in ``trl.experimental``, whose API may change between releases; this module is the
+only one that imports it, so such a change breaks this trainer alone, with a one-line error."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+import ftcore
+from ftcore.component import Component
+from ftcore.errors import FtcoreError
+
+from ftcore_plugins.common.preference import answer_logps, pair_metrics, render
+from ftcore_plugins.trainers._preference import check_data, length_report, periodic_evaluation, require_data
+from ftcore_plugins.trainers._training import TrainOptions
+
+
+class ORPOTrainer(Component):
+    """Odds Ratio Preference Optimization (TRL experimental ORPOTrainer) on preference pairs."""
+
+    name = "orpo"
+
+    class Options(TrainOptions):
+        learning_rate: float = 5e-6  # the ORPO paper: 5e-6..8e-6 full fine-tuning
+        beta: float = Field(0.1, gt=0)  # lambda in the paper: weight of the odds-ratio term against the SFT loss
+
+    def check(self, plan):
+        return check_data(self, plan, ("pairs",))
+
+    def train(self, ctx):
+        import trl
+
+        from ftcore_plugins.trainers._training import run_trainer
+
+        try:
+            from trl.experimental.orpo import ORPOConfig
+            from trl.experimental.orpo import ORPOTrainer as TrlORPOTrainer
+        except ImportError as exc:
+            raise FtcoreError(f"trainer 'orpo' (ftcore_plugins.trainers.orpo) cannot import ORPOTrainer from "
+                              f"trl.experimental.orpo in trl {trl.__version__}: {exc}; install a trl release that "
+                              "has it") from None
+        o = self.options
+        require_data(ctx, self.name, ("pairs",))
+        # ORPO tokenizes without the tokenizer's special tokens and adds BOS itself when missing.
+        train = render(ctx, ctx.train_data, strip_bos=False)
+        evaluation = render(ctx, ctx.eval_data, strip_bos=False) if ctx.eval_data is not None else None
+        ids = length_report(ctx, {"train": train, "eval": evaluation}, o.max_length, style="orpo")
+        pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
+
+        def measure(suffix: str) -> dict:
+            # ORPO's reward: beta * the answer's mean log-probability per token.
+            logps = answer_logps(ctx.model, ids["eval"], o.max_length, pad, o.batch_size)
+            reward = o.beta * logps[..., 0] / logps[..., 1].clamp(min=1)
+            found = pair_metrics("eval_reward_", reward[:, 0], reward[:, 1])
+            return {f"{k}{suffix}": v for k, v in found.items()} | {"eval_pairs": int(reward.shape[0])}
+
+        before = measure("_before") if "eval" in ids else {}
+        _, metrics = run_trainer(ctx, o, TrlORPOTrainer, ORPOConfig, train=train,
+                                 evaluation=evaluation if periodic_evaluation(o) else None,
+                                 config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
+                                         "gradient_checkpointing": o.gradient_checkpointing,
+                                         "remove_unused_columns": False})  # its collator needs every column
+        metrics.pop("eval_perplexity", None)  # exp of the ORPO loss is no perplexity
+        if before:
+            metrics.update(before, **measure(""))
+            ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},
+                             step=metrics.get("global_step"))
+        return metrics
+
+
+@ftcore.hookimpl
+def register_trainers(register):
+    register(ORPOTrainer)

@@ -385,13 +385,17 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
 
 
 def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, packing: bool,
-            packing_strategy: str = "bfd") -> dict[str, Any]:
-    """Train ``ctx.model`` with TRL's SFTTrainer on pre-tokenized ``input_ids``/``labels``."""
+            packing_strategy: str = "bfd", trainer_cls: type | None = None, config: dict[str, Any] | None = None,
+            **trainer_kwargs: Any) -> dict[str, Any]:
+    """Train ``ctx.model`` with TRL's SFTTrainer on pre-tokenized ``input_ids``/``labels``.
+    ``trainer_cls`` replaces ``trl.SFTTrainer`` (a subclass of it), ``config`` adds or overrides
+    ``SFTConfig`` fields and ``trainer_kwargs`` go to the trainer, as in :func:`run_trainer`."""
     from trl import SFTConfig, SFTTrainer
 
-    _, metrics = run_trainer(ctx, o, SFTTrainer, SFTConfig, train=train, evaluation=evaluation,
-                             config=dict(max_length=o.max_length, packing=packing,
-                                         packing_strategy=packing_strategy, dataset_num_proc=None))
+    _, metrics = run_trainer(ctx, o, trainer_cls or SFTTrainer, SFTConfig, train=train, evaluation=evaluation,
+                             config={"max_length": o.max_length, "packing": packing,
+                                     "packing_strategy": packing_strategy, "dataset_num_proc": None, **(config or {})},
+                             **trainer_kwargs)
     return metrics
 
 

@@ -1,33 +1,44 @@
-"""Trainer ``pretrain``: causal language modelling on plain text, documents concatenated into blocks."""
+"""Trainer ``pretrain``: causal language modelling on plain text, documents concatenated into blocks.
+
+It is ``SFT`` with other data and packing: the same override points apply to a subclass of it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import ftcore
-from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
+from ftcore_plugins.trainers._training import TrainOptions, tokenize_splits
+from ftcore_plugins.trainers.sft import SFT
 
 
-class PretrainTrainer(TrainChecks, TrainerMemory, Component):
+class PretrainOptions(TrainOptions):
+    """The ``pretrain`` stage's options: the shared training options, with a higher learning rate."""
+
+    learning_rate: float = 1e-3
+
+
+class Pretrain(SFT):
     """Causal-LM pre-training on text: every token is trained on, EOS between documents."""
 
     name = "pretrain"
+    Options = PretrainOptions
 
-    class Options(TrainOptions):
-        learning_rate: float = 1e-3
-
-    def train(self, ctx):
-        o = self.options
+    def prepare_data(self, ctx: Any) -> tuple[Any, Any]:
         if "text" not in ctx.train_data.column_names:
-            raise FtcoreError(f"stage {ctx.stage}: trainer 'pretrain' needs plain-text rows; "
+            raise FtcoreError(f"stage {ctx.stage}: trainer '{self.name}' needs plain-text rows; "
                               "this data is chat: use trainer = \"sft\"")
-        train, evaluation = tokenize_splits(ctx, max_length=None, batch_size=o.batch_size)  # packing cuts blocks
+        return tokenize_splits(ctx, max_length=None, batch_size=self.options.batch_size)  # packing cuts blocks
+
+    def trl_config(self, ctx: Any) -> dict[str, Any]:
         # "wrapped" packing: concatenate documents and cut max_length blocks, no padding.
-        return run_trl(ctx, o, train, evaluation, packing=True, packing_strategy="wrapped")
+        return {"packing": True, "packing_strategy": "wrapped"}
+
+
+PretrainTrainer = Pretrain  # the name before Pretrain became public; kept for existing imports
 
 
 @ftcore.hookimpl
 def register_trainers(register):
-    register(PretrainTrainer)
+    register(Pretrain)

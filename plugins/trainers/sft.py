@@ -1,8 +1,15 @@
-"""Trainer ``sft``: supervised fine-tuning on chat rows with TRL's SFTTrainer, assistant-only loss."""
+"""Trainer ``sft``: supervised fine-tuning on chat rows with TRL's SFTTrainer, assistant-only loss.
+
+``SFT`` is also the public base for trainers built on it (import it from
+``ftcore_plugins.trainers.base``; docs/trainers.md, "Extending sft"): a subclass changes the
+options, the data preparation, the TRL config, the TRL trainer class or the loss, and keeps what
+``run_trl`` gives every stage (checkpoints, ``--resume``, the stability guard, progress, metrics,
+signal handling) and the memory estimate.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import ftcore
 from ftcore.component import Component
@@ -12,28 +19,63 @@ from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 
 
-class SFTTrainer(TrainChecks, TrainerMemory, Component):
+class SFTOptions(TrainOptions):
+    """The ``sft`` stage's options: the shared training options and these three."""
+
+    train_on_inputs: bool = False  # also train on system/user tokens
+    truncation: Literal["truncate_response", "truncate_prompt", "drop"] = "truncate_response"
+    packing: bool = False  # best-fit packing, position ids reset per sample (no cross-sample attention)
+
+
+class SFT(TrainChecks, TrainerMemory, Component):
     """Supervised fine-tuning (TRL SFTTrainer); loss on every assistant turn only."""
 
     name = "sft"
+    Options = SFTOptions
 
-    class Options(TrainOptions):
-        train_on_inputs: bool = False  # also train on system/user tokens
-        truncation: Literal["truncate_response", "truncate_prompt", "drop"] = "truncate_response"
-        packing: bool = False  # best-fit packing, position ids reset per sample (no cross-sample attention)
+    # Override point: set to a method ``compute_loss(self, outputs, labels, num_items_in_batch=None)``
+    # to replace the loss. ``outputs`` is the model's output (``outputs.logits``: batch x length x
+    # vocabulary), ``labels`` the unshifted labels (-100 where nothing is learnt: position i predicts
+    # ``labels[:, i + 1]``), ``num_items_in_batch`` the trainable tokens of all the step's
+    # micro-batches (divide by it, as gradient accumulation expects) or None. Returns a scalar tensor.
+    # TRL then runs a second, gradient-free forward for its token accuracy and entropy metrics.
+    compute_loss = None
 
-    def train(self, ctx):
+    def train(self, ctx: Any) -> dict[str, Any]:
+        train, evaluation = self.prepare_data(ctx)
+        extra = {"compute_loss_func": self.compute_loss} if self.compute_loss is not None else {}
+        return run_trl(ctx, self.options, train, evaluation, packing=False, trainer_cls=self.trainer_class(ctx),
+                       config=self.trl_config(ctx), **extra)
+
+    # -- override points ---------------------------------------------------------------------
+    def prepare_data(self, ctx: Any) -> tuple[Any, Any]:
+        """The tokenized train and eval datasets (eval None without ``eval_data``): rows with
+        ``input_ids`` and ``labels`` (-100 on tokens not trained on). A subclass may change
+        ``ctx.train_data``/``ctx.eval_data`` (chat rows) and call this, or build the datasets itself."""
         o = self.options
         ctx.train_data, ctx.eval_data = chosen_as_chat(ctx.train_data), chosen_as_chat(ctx.eval_data)
         columns = set(ctx.train_data.column_names)
         if "messages" not in columns and not {"prompt", "completion"} <= columns:
-            raise FtcoreError(f"stage {ctx.stage}: trainer 'sft' needs chat rows (messages, Alpaca, ShareGPT, ...) "
-                              f"or prompt/completion rows; this data has {', '.join(sorted(columns))}"
+            raise FtcoreError(f"stage {ctx.stage}: trainer '{self.name}' needs chat rows (messages, Alpaca, "
+                              f"ShareGPT, ...) or prompt/completion rows; this data has {', '.join(sorted(columns))}"
                               + ("; for plain text use trainer = \"pretrain\"" if "text" in columns else ""))
-        train, evaluation = tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,
-                                            train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
-                                            packed_length=o.max_length)
-        return run_trl(ctx, o, train, evaluation, packing=o.packing, packing_strategy="bfd")
+        return tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,
+                               train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
+                               packed_length=o.max_length)
+
+    def trl_config(self, ctx: Any) -> dict[str, Any]:
+        """``trl.SFTConfig`` fields on top of those the shared options set (``training_arguments``).
+        A subclass extends it: ``{**super().trl_config(ctx), "loss_type": "dft"}``."""
+        return {"packing": self.options.packing, "packing_strategy": "bfd"}
+
+    def trainer_class(self, ctx: Any) -> type:
+        """The TRL trainer class: ``trl.SFTTrainer`` or a subclass of it."""
+        from trl import SFTTrainer as TrlSFTTrainer
+
+        return TrlSFTTrainer
+
+
+SFTTrainer = SFT  # the name before SFT became public; kept for existing imports
 
 
 def chosen_as_chat(data):
@@ -48,4 +90,4 @@ def chosen_as_chat(data):
 
 @ftcore.hookimpl
 def register_trainers(register):
-    register(SFTTrainer)
+    register(SFT)

@@ -109,6 +109,7 @@ class EvalContext:
     # (model, tokenizer), for comparisons on the same data with the same settings.
     load_model: Callable[[str], tuple[Any, Any]] | None = None
     load_data: Callable[[str], Any] | None = None  # load_data(ref): the plan's data ``name`` or ``name:split``
+    name: str = ""  # the [[evaluate]] entry's name: results are stored and logged under it
 
 
 @dataclass

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 
 from .component import KINDS
 from .errors import unknown_choice
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+BUILTIN_DIST = "ftcore"  # the distribution of the built-in components
+
+_warned: set[str] = set()  # each shadowing warning once per process, however many registries meet it
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,9 @@ class Registration:
 
     @property
     def description(self) -> str:
-        doc = (self.cls.__doc__ or "").strip()
-        return doc.splitlines()[0] if doc else ""
+        """The docstring's first paragraph, on one line: a summary wrapped over several lines is
+        shown whole, never cut at the first line break."""
+        return first_paragraph(self.cls.__doc__)
 
     def who(self) -> str:
         return f"plugin '{self.plugin}' ({self.dist} {self.version})"
@@ -37,14 +42,17 @@ class Registration:
 class Registry:
     """All registered components, by kind and name.
 
-    Two plugins may register the same name; that is an error only when a plan uses
-    the bare name. The qualified ``dist:name`` always picks one.
+    Two plugins may register the same name. When one of them is built in, the bare name
+    keeps meaning the built-in (with a warning naming the other and how to select it), so a
+    plugin cannot break plans that use the built-in. Between two third-party components the
+    bare name is an error. The qualified ``dist:name`` always picks one.
     """
 
     entries: dict[str, dict[str, list[Registration]]] = field(
         default_factory=lambda: {k: {} for k in KINDS}
     )
     problems: list[str] = field(default_factory=list)
+    notices: list[str] = field(default_factory=list)  # bare names resolved to a shadowed built-in
 
     def add(self, reg: Registration) -> None:
         if not _NAME.match(reg.name):
@@ -70,7 +78,8 @@ class Registry:
         for kind, by_name in self.entries.items():
             for name, regs in sorted(by_name.items()):
                 if len(regs) > 1:
-                    out.append(_clash(kind, name, regs))
+                    builtin = _builtin(regs)
+                    out.append(_shadow(kind, name, builtin, regs) if builtin else _clash(kind, name, regs))
         return out
 
     def resolve(self, kind: str, name: str) -> Registration:
@@ -89,12 +98,42 @@ class Registry:
         if not regs:
             raise LookupError(unknown_choice(kind, name, by_name))
         if len(regs) > 1:
-            raise LookupError(_clash(kind, name, regs))
+            builtin = _builtin(regs)
+            if builtin is None:
+                raise LookupError(_clash(kind, name, regs))
+            self._notice(_shadow(kind, name, builtin, regs))
+            return builtin
         return regs[0]
+
+    def _notice(self, message: str) -> None:
+        if message not in self.notices:
+            self.notices.append(message)
+        if message not in _warned:
+            _warned.add(message)
+            print(f"warning: {message}", file=sys.stderr)
 
 
 def _norm(dist: str) -> str:
     return dist.lower().replace("_", "-").replace(".", "-")
+
+
+def first_paragraph(doc: str | None) -> str:
+    """A docstring's first paragraph (up to the first blank line), joined into one line."""
+    text = (doc or "").strip()
+    return " ".join(re.split(r"\n\s*\n", text, maxsplit=1)[0].split()) if text else ""
+
+
+def _builtin(regs: list[Registration]) -> Registration | None:
+    builtins = [r for r in regs if r.dist == BUILTIN_DIST]
+    return builtins[0] if len(builtins) == 1 else None
+
+
+def _shadow(kind: str, name: str, builtin: Registration, regs: list[Registration]) -> str:
+    others = [r for r in regs if r is not builtin]
+    who = " and ".join(r.who() for r in others)
+    pick = " or ".join(f"'{r.qualified}'" for r in others)
+    return (f"{who} also registers the {kind} '{name}'; the bare name '{name}' means the built-in "
+            f"({builtin.qualified}); to use the plugin's, write {pick}")
 
 
 def _clash(kind: str, name: str, regs: list[Registration]) -> str:

@@ -271,8 +271,9 @@ class Runner:
                                   self._load_data(ev.data) if ev.data else None, out,
                                   earlier={p: self.evaluations[p][ev.name] for p in earlier
                                            if ev.name in self.evaluations.get(p, {})},
-                                  outputs=outputs, load_model=self._model_at, load_data=self._load_data)
-                with calling(ev.evaluator, "evaluate"):
+                                  outputs=outputs, load_model=self._model_at, load_data=self._load_data,
+                                  name=ev.name)
+                with calling(ev.evaluator, "evaluate", f"evaluation '{ev.name}', {ev.evaluator.key}"):
                     values = ev.evaluator.create().evaluate(ctx) or {}
                 results[ev.name] = values
                 self.reporter.log(f"evaluate:{phase}", {f"{ev.name}/{k}": v for k, v in values.items()})
@@ -488,8 +489,9 @@ class Runner:
 
 
 @contextlib.contextmanager
-def calling(sel: Selected, what: str) -> Iterator[None]:
-    """Turn an exception inside a component into one line that names the plugin."""
+def calling(sel: Selected, what: str, where: str | None = None) -> Iterator[None]:
+    """Turn an exception inside a component into one line that names the plugin and where in the
+    plan (``where``, default the plan key)."""
     try:
         yield
     except (FtcoreError, ComponentError, KeyboardInterrupt):
@@ -497,7 +499,7 @@ def calling(sel: Selected, what: str) -> Iterator[None]:
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in {what}() "
-                             f"[{sel.key}]: {type(exc).__name__}: {first}") from exc
+                             f"[{where or sel.key}]: {type(exc).__name__}: {first}") from exc
 
 
 def _last_checkpoint(folder: Path) -> Path | None:

@@ -65,3 +65,49 @@ def test_every_builtin_component_and_option_is_in_the_plan_reference():
             assert f"`{reg.name}`" in REFERENCE or f'"{reg.name}"' in REFERENCE, reg.name
             for option in reg.cls.Options.model_fields:
                 assert f"`{option}`" in REFERENCE, f"{kind} '{reg.name}' option '{option}' is undocumented"
+
+
+# -- the layout by kind ----------------------------------------------------------------------------
+
+def _imports(path):
+    """Every ``ftcore_plugins.<folder>`` a module imports, at module level or inside functions."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        found |= {n.split(".")[1] for n in names if n.startswith("ftcore_plugins.") and n.count(".") >= 1}
+    return found
+
+
+def test_no_kind_imports_another_kinds_folder_only_common():
+    plugins = ROOT / "plugins"
+    crossing = []
+    for path in sorted(plugins.glob("*/*.py")):
+        folder = path.parent.name
+        allowed = {folder} if folder == "common" else {folder, "common"}
+        crossing += [f"{path.relative_to(ROOT)} imports ftcore_plugins.{other}" for other in _imports(path) - allowed]
+    assert not crossing, "\n".join(crossing)
+    assert not list(plugins.glob("*.py"))[1:], "plugins/ holds folders (and __init__.py) only"
+
+
+def test_every_plugin_folder_is_a_package_the_distribution_ships():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {f"ftcore_plugins.{d.name}" for d in (ROOT / "plugins").iterdir()
+               if d.is_dir() and d.name != "__pycache__"}
+    assert all((ROOT / "plugins" / f.split(".")[1] / "__init__.py").exists() for f in folders)
+    assert folders <= packages, folders - packages
+
+
+def test_builtin_modules_live_in_their_kinds_folder():
+    folder_of_kind = {"model loader": "models", "data source": "data", "chat template": "templates",
+                      "adapter": "adapters", "quantizer": "quantizers", "trainer": "trainers",
+                      "evaluator": "evaluators", "exporter": "exporters", "reward function": "rewards",
+                      "tracker": "trackers"}
+    registry = get_plugin_manager(entry_points=False).registry()
+    misplaced = [f"{r.kind} '{r.name}' in {r.plugin}" for kind in KINDS for r in registry.all(kind)
+                 if r.plugin.split(".")[1] != folder_of_kind[kind]]
+    assert not misplaced, misplaced

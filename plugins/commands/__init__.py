@@ -1,0 +1,1 @@
+"""Commands: every `ftcore` subcommand beyond the kernel's run, validate and plugins, registered through `register_commands` as a third party's are. Each imports heavy libraries only inside `run`, since `ftcore --help` imports them all."""

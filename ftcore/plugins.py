@@ -98,6 +98,8 @@ BUILTIN_COMMANDS = (
     "ftcore_plugins.commands.estimate",
     "ftcore_plugins.commands.report",
     "ftcore_plugins.commands.cache",
+    "ftcore_plugins.commands.chat",
+    "ftcore_plugins.commands.generate",
 )
 
 # The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them.

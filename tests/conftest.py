@@ -148,3 +148,14 @@ def installed(folder: Path, dist: str, tmp_path: Path):
             direct = json.loads(before["direct_url"] or "null") or {}
             if direct.get("dir_info", {}).get("editable") and direct.get("url", "").startswith("file://"):
                 _pip("install", "-e", url2pathname(urlparse(direct["url"]).path))
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory):
+    """The quickstart, run once per session in a copy of examples/quickstart; its run folder, which tests
+    only read (copy it to change it)."""
+    project = tmp_path_factory.mktemp("quickstart-run") / "quickstart"
+    shutil.copytree(ROOT / "examples" / "quickstart", project, ignore=shutil.ignore_patterns("runs"))
+    result = run_cli("run", str(project / "plan.toml"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return project / "runs" / "quickstart"

@@ -16,6 +16,7 @@ import ftcore
 from ftcore.component import Component, Options
 
 from ftcore_plugins.common.model import report_trainable
+from ftcore_plugins.common.tokens import expose_head_bias, train_added_tokens
 
 Preset = Literal["all-linear", "attention", "mlp"]
 TargetModules = Annotated[list[str], Field(min_length=1)] | Preset  # a preset, or module names (see _targets)
@@ -59,13 +60,14 @@ class PeftAdapter(Component):
         import torch
         from peft import get_peft_model
 
-        config = self.peft_config(model, ctx)
+        # A template's added tokens (an end-of-turn marker) get their embedding rows trained too.
+        config = train_added_tokens(self.peft_config(model, ctx), model, self.name)
         # The adapter's random initialisation is seeded by the plan, whatever ran before it: a resumed
         # run, which restores earlier stages instead of training them, starts this one the same.
         with torch.random.fork_rng():
             if ctx.run is not None:
                 torch.manual_seed(self.init_seed(ctx.run.plan.seed))
-            model = get_peft_model(model, config)
+            model = expose_head_bias(get_peft_model(model, config))
         report_trainable(model, ctx.reporter, self.label())
         return model
 
@@ -75,7 +77,7 @@ class PeftAdapter(Component):
     def restore(self, base, path, ctx):
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(base, path, is_trainable=True)
+        model = expose_head_bias(PeftModel.from_pretrained(base, path, is_trainable=True))
         return model
 
     def merge(self, model):

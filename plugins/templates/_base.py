@@ -20,6 +20,8 @@ from typing import Any, ClassVar, Literal
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.tokens import add_special_tokens, set_end_of_turn
+
 # Jinja run before a family's own template when ``system = "merge"``: a first system
 # message is joined to the first user message with a blank line, as Gemma 3's and
 # Mistral's later templates do. Saved with the exported tokenizer, so it renders the same.
@@ -128,32 +130,18 @@ class JinjaTemplate(Component):
 
     def prepare(self, model: Any, tokenizer: Any) -> tuple[Any, Any]:
         """Make the template's markers single special tokens (growing the embeddings only
-        when a token was added), ship the template with the tokenizer so exported models
-        render prompts exactly as training did, and stop generation at end of turn."""
+        when a token was added, and training the new rows under LoRA), ship the template with
+        the tokenizer so exported models render prompts exactly as training did, and stop
+        generation at end of turn. All through :func:`ftcore_plugins.common.tokens.add_special_tokens`."""
         template = self.chat_template()
-        added = 0
-        for key, default in (("bos_token", self.bos_token), ("eos_token", self.eos_token)):
-            if default is not None and key in template and _token(tokenizer, key) is None:
-                added += tokenizer.add_special_tokens({key: default})
-        vocab = tokenizer.get_vocab()
-        missing = [t for t in self.required_tokens() if t not in vocab]
-        if missing:
-            added += tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
-        if added:
-            rows = model.get_input_embeddings().weight.shape[0]
-            if len(tokenizer) > rows:  # never shrink: some models carry spare rows
-                model.resize_token_embeddings(len(tokenizer))
-        tokenizer.chat_template = template
-        config = getattr(model, "generation_config", None)
+        named = {key: default for key, default in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
+                 if default is not None and key in template and _token(tokenizer, key) is None}
+        # The end of turn is known once bos/eos exist: a template whose turns end with EOS uses the tokenizer's.
+        model, tokenizer = add_special_tokens(model, tokenizer, self.required_tokens(), named=named,
+                                              chat_template=template)
         end = self.end_of_turn(tokenizer)
-        if config is not None and end is not None:
-            end_id = tokenizer.convert_tokens_to_ids(end)
-            eos = config.eos_token_id
-            eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            if end_id is not None and end_id not in eos:
-                config.eos_token_id = [*eos, end_id]
-            if config.pad_token_id is None:
-                config.pad_token_id = tokenizer.pad_token_id
+        if end is not None:
+            set_end_of_turn(model, tokenizer, end)
         return model, tokenizer
 
 

@@ -15,16 +15,16 @@ pytest.importorskip("transformers")
 from ftcore.errors import FtcoreError  # noqa: E402
 
 FAMILIES = {
-    "chatml": ("template_chatml", "ChatMLTemplate"),
-    "llama2": ("template_llama2", "Llama2Template"),
-    "llama3": ("template_llama3", "Llama3Template"),
-    "mistral": ("template_mistral", "MistralTemplate"),
-    "gemma": ("template_gemma", "GemmaTemplate"),
-    "phi3": ("template_phi3", "Phi3Template"),
-    "qwen2.5": ("template_qwen25", "Qwen25Template"),
-    "alpaca": ("template_alpaca", "AlpacaTemplate"),
-    "vicuna": ("template_vicuna", "VicunaTemplate"),
-    "zephyr": ("template_zephyr", "ZephyrTemplate"),
+    "chatml": ("templates.chatml", "ChatMLTemplate"),
+    "llama2": ("templates.llama2", "Llama2Template"),
+    "llama3": ("templates.llama3", "Llama3Template"),
+    "mistral": ("templates.mistral", "MistralTemplate"),
+    "gemma": ("templates.gemma", "GemmaTemplate"),
+    "phi3": ("templates.phi3", "Phi3Template"),
+    "qwen2.5": ("templates.qwen25", "Qwen25Template"),
+    "alpaca": ("templates.alpaca", "AlpacaTemplate"),
+    "vicuna": ("templates.vicuna", "VicunaTemplate"),
+    "zephyr": ("templates.zephyr", "ZephyrTemplate"),
 }
 NO_SYSTEM = {"gemma", "mistral"}
 

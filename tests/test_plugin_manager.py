@@ -416,26 +416,28 @@ def test_example_trainer_swaps_in_by_one_name_and_trains(tmp_path):
     plan = _example_plan(TRAINER_EXAMPLE, tmp_path)
     text = plan.read_text()
     builtin = tmp_path / "builtin.toml"  # the same plan with the built-in trainer: one name differs
-    swapped, n = re.subn(r'(?m)^trainer = "plain_sft"', 'trainer = "sft"', text)
-    assert n == 1
-    builtin.write_text(swapped.replace('requires = ["ftcore-example-trainer>=0.1"]', ""))
+    swapped, n = re.subn(r'(?m)^trainer = "focal_sft"', 'trainer = "sft"', text)
+    swapped, m = re.subn(r'(?m)^focal_gamma = .*\n', "", swapped)  # focal_sft's own option
+    assert n == m == 1
+    builtin.write_text(swapped.replace('requires = ["ftcore-example-trainer>=0.2"]', ""))
     assert ftcore_cli("validate", str(builtin), cwd=tmp_path).returncode == 0
     r = ftcore_cli("validate", str(plan), cwd=tmp_path)
-    assert r.returncode == 2 and "pip install 'ftcore-example-trainer>=0.1'" in r.stderr  # not installed yet
+    assert r.returncode == 2 and "pip install 'ftcore-example-trainer>=0.2'" in r.stderr  # not installed yet
 
     with installed(TRAINER_EXAMPLE, "ftcore-example-trainer", tmp_path):
         listing = plugins_json(tmp_path)
-        found = [c for c in listing["components"]["trainer"] if c["name"] == "plain_sft"]
-        assert [c["qualified"] for c in found] == ["ftcore-example-trainer:plain_sft"]
+        found = [c for c in listing["components"]["trainer"] if c["name"] == "focal_sft"]
+        assert [c["qualified"] for c in found] == ["ftcore-example-trainer:focal_sft"]
         r = ftcore_cli("run", str(plan), cwd=tmp_path)
         assert r.returncode == 0, r.stdout + r.stderr
 
     run_dir = tmp_path / "runs" / "example-trainer"
     done = json.loads((run_dir / "stages" / "sft" / "COMPLETE.json").read_text())
-    assert done["trainer"] == "ftcore-example-trainer:plain_sft"
-    metrics = done["metrics"]
-    assert metrics["global_step"] == 40
-    assert metrics["train_loss"] < 0.6 * metrics["first_loss"], metrics
+    assert done["trainer"] == "ftcore-example-trainer:focal_sft"
+    assert done["metrics"]["global_step"] == 40
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    losses = [r["loss"] for r in records if r["stage"] == "sft" and "loss" in r]
+    assert len(losses) == 4 and losses[-1] < 0.6 * losses[0], losses  # logged every 10 steps
     # The runner saved what it trained, and evaluation saw the trained model.
     assert (run_dir / "stages" / "sft" / "output" / "model.safetensors").is_file()
     before = json.loads((run_dir / "evaluations" / "before.json").read_text())["perplexity"]["perplexity"]

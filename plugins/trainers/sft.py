@@ -38,14 +38,16 @@ class SFT(TrainChecks, TrainerMemory, Component):
     # vocabulary), ``labels`` the unshifted labels (-100 where nothing is learnt: position i predicts
     # ``labels[:, i + 1]``), ``num_items_in_batch`` the trainable tokens of all the step's
     # micro-batches (divide by it, as gradient accumulation expects) or None. Returns a scalar tensor.
-    # TRL then runs a second, gradient-free forward for its token accuracy and entropy metrics.
+    # It is used for the training loss and the eval loss alike.
     compute_loss = None
 
     def train(self, ctx: Any) -> dict[str, Any]:
         train, evaluation = self.prepare_data(ctx)
-        extra = {"compute_loss_func": self.compute_loss} if self.compute_loss is not None else {}
-        return run_trl(ctx, self.options, train, evaluation, packing=False, trainer_cls=self.trainer_class(ctx),
-                       config=self.trl_config(ctx), **extra)
+        trainer_cls = self.trainer_class(ctx)
+        if self.compute_loss is not None:
+            trainer_cls = with_loss(trainer_cls, self.compute_loss)
+        return run_trl(ctx, self.options, train, evaluation, packing=False, trainer_cls=trainer_cls,
+                       config=self.trl_config(ctx))
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:
@@ -76,6 +78,49 @@ class SFT(TrainChecks, TrainerMemory, Component):
 
 
 SFTTrainer = SFT  # the name before SFT became public; kept for existing imports
+
+
+def with_loss(trainer_cls: type, loss: Any) -> type:
+    """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` whose loss is
+    ``loss(outputs, labels, num_items_in_batch)``, computed from one forward pass with the full
+    logits. It keeps the metrics TRL's own ``compute_loss`` records (token accuracy, entropy,
+    tokens seen: the stage's ``train_tokens``), computed from the same logits. (TRL's
+    ``compute_loss_func`` argument would do it with a second forward pass, and is deprecated.)"""
+    import torch
+
+    class CustomLoss(trainer_cls):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            mode = "train" if self.model.training else "eval"
+            labels = inputs["labels"]
+            inputs = {k: v for k, v in inputs.items() if k != "labels"}
+            outputs = model(**inputs, use_cache=False)
+            value = loss(outputs, labels, num_items_in_batch)
+            # As TRL's loss: num_items_in_batch counts every rank's tokens, and DDP averages over ranks.
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                value = value * (self.accelerator.num_processes // self.get_tp_size())
+            with torch.no_grad():
+                logits, targets = outputs.logits[:, :-1], labels[:, 1:].to(outputs.logits.device)
+                mask = targets != -100
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                entropy = -(logp.exp() * logp).sum(-1)
+                gather = self.accelerator.gather_for_metrics
+                n = gather(mask.sum()).sum()
+                correct = gather(((logits.argmax(-1) == targets) & mask).sum()).sum()
+                entropy_sum = gather((entropy * mask).sum()).sum()
+                self._metrics[mode]["entropy"].append((entropy_sum / n).item() if n > 0 else 0.0)
+                self._metrics[mode]["mean_token_accuracy"].append((correct / n).item() if n > 0 else 0.0)
+                if mode == "train":
+                    if "attention_mask" in inputs:
+                        tokens = gather(inputs["attention_mask"].sum()).sum().item()
+                    else:  # padding-free packing: one row of position ids
+                        tokens = gather(torch.tensor(inputs["position_ids"].size(1),
+                                                     device=logits.device)).sum().item()
+                    self._total_train_tokens += tokens // self._tp_size
+                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            return (value, outputs) if return_outputs else value
+
+    CustomLoss.__name__ = CustomLoss.__qualname__ = f"{trainer_cls.__name__}WithLoss"
+    return CustomLoss
 
 
 def chosen_as_chat(data):

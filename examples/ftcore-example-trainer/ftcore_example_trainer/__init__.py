@@ -1,17 +1,12 @@
-"""An example third-party ftcore plugin: the ``plain_sft`` trainer.
+"""An example third-party ftcore plugin: the ``focal_sft`` trainer.
 
-Supervised fine-tuning written as a plain PyTorch loop, to show the whole trainer
-contract in one page: the runner hands ``train(ctx)`` the model (with the stage's
-adapter already applied), the tokenizer, the plan's chat template and the stage's rows;
-the trainer trains the model in place and returns its final metrics. The runner saves
-the adapter, measures memory and writes ``COMPLETE.json``.
-
-Each row's last assistant turn is the target: the loss is on its tokens only (the
-conversation before it is rendered with the generation prompt and masked). Batches are
-drawn from a seeded shuffle, AdamW with a linearly decaying learning rate.
-
-What it leaves out, on purpose: checkpoints (a killed run starts this stage again),
-gradient accumulation and mixed precision. The built-in ``sft`` trainer has them all.
+The built-in ``sft`` trainer with another loss: the focal loss of Lin et al. (2017),
+``-(1 - p)^gamma * log p`` on each trained token, which weighs down the tokens the model already
+predicts well. It subclasses the public base ``ftcore_plugins.trainers.base.SFT`` and overrides two
+things: ``Options`` (one more option, ``focal_gamma``) and ``compute_loss``. Everything else is
+``sft``'s: the data preparation (assistant-only labels, truncation, packing), every option of the
+shared table, checkpoints, ``--resume``, the stability guard, the progress bar, metrics and
+``ftcore estimate``. With ``focal_gamma = 0`` it is ``sft``'s cross-entropy.
 """
 
 from __future__ import annotations
@@ -19,88 +14,35 @@ from __future__ import annotations
 from pydantic import Field
 
 import ftcore
-from ftcore.component import Component, Options
+from ftcore_plugins.trainers.base import SFT, SFTOptions
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
-class PlainSFT(Component):
-    """SFT in a plain PyTorch loop: loss on each row's last assistant turn, AdamW, linear decay."""
+class FocalSFT(SFT):
+    """SFT with the focal loss: -(1-p)^gamma log p per assistant token; gamma = 0 is sft's loss."""
 
-    name = "plain_sft"
+    name = "focal_sft"
 
-    class Options(Options):
-        max_steps: int = Field(100, ge=1)  # the same names as the built-in sft options, so a plan swaps by name
-        learning_rate: float = Field(1e-3, gt=0)
-        batch_size: int = Field(8, ge=1)
-        max_length: int = Field(256, ge=8)  # longer samples are cut at the end
-        logging_steps: int = Field(10, ge=1)
+    class Options(SFTOptions):
+        focal_gamma: float = Field(2.0, ge=0)  # 0: plain cross-entropy, as sft
 
-    def train(self, ctx):
+    def compute_loss(self, outputs, labels, num_items_in_batch=None):
         import torch
 
-        o = self.options
-        samples = encode(ctx, o.max_length)
-        model, tok = ctx.model, ctx.tokenizer
-        device = next(model.parameters()).device
-        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.learning_rate)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / o.max_steps)
-        order = torch.Generator().manual_seed(ctx.seed)
-        queue: list[int] = []
-        losses: list[float] = []
-        model.train()
-        with ctx.reporter.progress(f"train {ctx.stage}", o.max_steps) as bar:
-            for step in range(1, o.max_steps + 1):
-                while len(queue) < o.batch_size:  # a new seeded shuffle each epoch
-                    queue += torch.randperm(len(samples), generator=order).tolist()
-                batch, queue = [samples[i] for i in queue[:o.batch_size]], queue[o.batch_size:]
-                width = max(len(ids) for ids, _ in batch)
-                ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in batch], device=device)
-                labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch], device=device)
-                mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch], device=device)
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(loss.item())
-                if step % o.logging_steps == 0 or step == o.max_steps:
-                    window = losses[-o.logging_steps:]
-                    ctx.reporter.log(ctx.stage, {"loss": sum(window) / len(window),
-                                                 "learning_rate": schedule.get_last_lr()[0]}, step=step)
-                bar.update(completed=step, note=f"loss {loss.item():.4f}")
-        head = losses[:o.logging_steps]
-        tail = losses[-o.logging_steps:]
-        return {"first_loss": sum(head) / len(head), "train_loss": sum(tail) / len(tail), "global_step": o.max_steps}
-
-
-def encode(ctx, max_length: int) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) per chat row; labels are -100 except on the last assistant turn."""
-    if "messages" not in ctx.train_data.column_names:
-        raise ftcore.FtcoreError(f"stage {ctx.stage}: trainer 'plain_sft' needs chat rows (messages); "
-                                 f"this data has {', '.join(ctx.train_data.column_names)}")
-    tok, template = ctx.tokenizer, ctx.template
-    out = []
-    for row in ctx.train_data:
-        messages = row["messages"]
-        if len(messages) < 2 or messages[-1]["role"] != "assistant":
-            continue
-        prompt = tok(template.render(messages[:-1], tok, add_generation_prompt=True),
-                     add_special_tokens=False)["input_ids"]
-        full = tok(template.render(messages, tok, add_generation_prompt=False),
-                   add_special_tokens=False)["input_ids"][:max_length]
-        labels = [-100] * min(len(prompt), len(full)) + full[len(prompt):]
-        if any(label != -100 for label in labels):
-            out.append((full, labels))
-    if not out:
-        raise ftcore.FtcoreError(f"stage {ctx.stage}: trainer 'plain_sft' found no row ending in an "
-                                 f"assistant turn that fits max_length={max_length}")
-    return out
+        logits = outputs.logits[:, :-1].float()  # position i predicts token i + 1
+        targets = labels[:, 1:].to(logits.device)
+        trained = targets != -100
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        per_token = -logp
+        if self.options.focal_gamma:
+            per_token = per_token * (1 - logp.exp()).pow(self.options.focal_gamma)
+        # Divided by the trainable tokens of all the step's micro-batches, as sft's loss is, so that
+        # gradient accumulation gives the gradient of one big batch.
+        count = num_items_in_batch if num_items_in_batch is not None else trained.sum()
+        return (per_token * trained).sum() / torch.as_tensor(count, device=logits.device).clamp(min=1)
 
 
 @ftcore.hookimpl
 def register_trainers(register):
-    register(PlainSFT)
+    register(FocalSFT)

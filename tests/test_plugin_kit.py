@@ -1,0 +1,280 @@
+"""What a third-party plugin author builds on: the public file-source base, the special-token
+helper for chat templates, the name-clash rule, EvalContext.name, and the example package
+``examples/ftcore-example-data`` (a TSV source and a template with its own end-of-turn token)
+installed for real."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import installed
+from test_plugin_manager import add_dist, component_module, ftcore_cli, plugins_json, write_plan
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "ftcore-example-data"
+EXAMPLE_DIST = "ftcore-example-data"
+QUICKSTART = REPO / "examples" / "quickstart"
+
+
+@pytest.fixture
+def example_modules(monkeypatch):
+    """The example package's modules, imported from the source tree (the slow test installs it)."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    for name in [m for m in sys.modules if m.startswith("ftcore_example_data")]:
+        monkeypatch.delitem(sys.modules, name)
+    import ftcore_example_data
+
+    return ftcore_example_data
+
+
+def _quiet_ctx(name: str = "train"):
+    from ftcore.context import DataContext
+    from ftcore.reporter import Reporter
+
+    return DataContext(None, Reporter(None, None, None, None), name)
+
+
+def _tsv(tmp_path: Path, body: list[str]) -> Path:
+    path = tmp_path / "train.tsv"
+    path.write_text("\n".join(["instruction\toutput", *body]) + "\n", encoding="utf-8")
+    return path
+
+
+UNIQUE = [f"Which word is an animal? {w} red tree {i}\tthe {w}" for i, w in
+          enumerate(["cat", "dog", "fox", "bird", "horse"] * 8)]  # 40 distinct rows
+
+
+# -- the public data-source base ------------------------------------------------------------------
+
+def test_tsv_source_gets_dedup_split_limit_and_stats_from_the_base(tmp_path, example_modules):
+    src = example_modules.TsvSource
+    path = _tsv(tmp_path, UNIQUE + UNIQUE[:6])  # 6 exact duplicates
+    options = src.Options.model_validate({"path": str(path), "dedup": "exact", "validation": 10},
+                                         context={"base_dir": str(tmp_path)})
+    source = src(options)
+    parts = source.load(_quiet_ctx())
+    assert len(parts["train"]) == 30 and len(parts["validation"]) == 10  # 46 read, 6 dropped, 40 split
+    assert source.stats["rows_read"] == 46
+    assert source.stats["dropped_duplicate"] == 6
+    assert source.stats["rows_kept"] == 40
+    assert source.stats["formats"] == {"alpaca": 46}
+    train = {r["messages"][0]["content"] for r in parts["train"]}
+    validation = {r["messages"][0]["content"] for r in parts["validation"]}
+    assert not train & validation
+    assert parts["train"][0]["messages"][1]["role"] == "assistant"
+
+    limited = src(src.Options.model_validate({"path": str(path), "limit": 7}, context={"base_dir": str(tmp_path)}))
+    assert len(limited.load(_quiet_ctx())) == 7
+    assert limited.inputs() == [path.resolve()]
+
+
+def test_tsv_source_reports_and_skips_bad_lines_at_their_line(tmp_path, example_modules):
+    from ftcore.errors import FtcoreError
+
+    src = example_modules.TsvSource
+    # line 1 is the header; line 4 has three fields; line 6 has an empty instruction
+    path = _tsv(tmp_path, [UNIQUE[0], UNIQUE[1], "a\tb\tc", UNIQUE[2], "\tthe cat"])
+    strict = src(src.Options.model_validate({"path": str(path)}, context={"base_dir": str(tmp_path)}))
+    with pytest.raises(FtcoreError) as err:
+        strict.load(_quiet_ctx())
+    assert str(err.value) == (f"data.train: {path}:4: expected 2 tab-separated fields (as in the header: "
+                              "instruction, output), got 3")
+
+    lenient = src(src.Options.model_validate({"path": str(path), "on_error": "skip"},
+                                             context={"base_dir": str(tmp_path)}))
+    rows = lenient.load(_quiet_ctx())
+    assert len(rows) == 3
+    assert lenient.stats["rows_read"] == 5
+    assert lenient.stats["skipped"] == {"bad_tsv_row": 1, "missing_field": 1}, lenient.stats["skipped"]
+
+
+# -- special tokens for templates ----------------------------------------------------------------
+
+def _tiny_model(tmp_path):
+    import datasets
+
+    from ftcore.context import LoadContext
+    from ftcore.reporter import Reporter
+    from ftcore_plugins.models.scratch import ScratchModelLoader
+    from ftcore_plugins.quantizers.none import NoQuantizer
+
+    rows = [{"messages": [{"role": "user", "content": f"Which word is an animal? {w} red tree"},
+                          {"role": "assistant", "content": f"the {w}"}]} for w in ("cat", "dog", "fox", "bird")]
+    data = {"chat": datasets.Dataset.from_list(rows)}
+    loader = ScratchModelLoader(ScratchModelLoader.Options(hidden_size=32, num_layers=1, num_heads=2,
+                                                           tokenizer_data=["chat"], vocab_size=300,
+                                                           special_tokens=[]))
+    run = type("Run", (), {"is_main": True})()
+    quiet = Reporter(None, None, None, None)
+    model, tok = loader.load(LoadContext(run, quiet, NoQuantizer(), seed=0, work_dir=tmp_path / "model",
+                                         data=data.__getitem__))
+    return model, tok, rows, quiet
+
+
+def test_added_end_of_turn_token_is_initialised_apart_and_learned_under_lora(tmp_path, example_modules):
+    import torch
+
+    from ftcore.context import AdapterContext
+    from ftcore_plugins.adapters.lora import LoraAdapter
+
+    model, tok, rows, quiet = _tiny_model(tmp_path)
+    before = len(tok)
+    template = example_modules.TurnsTemplate()
+    model, tok = template.prepare(model, tok)
+    turn, end = tok.convert_tokens_to_ids(["<|turn|>", "<|end|>"])
+    assert (turn, end) == (before, before + 1)
+    weight = model.get_input_embeddings().weight.detach().clone()
+    assert weight.shape[0] == before + 2
+    assert not torch.equal(weight[end], weight[tok.pad_token_id])
+    assert not torch.allclose(weight[end], weight[turn])
+    # near the mean of the old rows: closer to it than the old rows are on average
+    mean = weight[:before].mean(0)
+    assert (weight[end] - mean).norm() < (weight[:before] - mean).norm(dim=1).mean()
+    assert model.config.eos_token_id == [end, tok.eos_token_id]
+    assert model.generation_config.eos_token_id[0] == end
+    assert tok.chat_template == example_modules.turns.JINJA
+    assert tok.apply_chat_template(rows[0]["messages"], tokenize=False) == template.render(rows[0]["messages"])
+
+    # prepare again (a resumed run): nothing added twice
+    model, tok = template.prepare(model, tok)
+    assert len(tok) == before + 2 and model.get_input_embeddings().weight.shape[0] == before + 2
+
+    run = type("Run", (), {"is_main": True, "plan": type("Plan", (), {"seed": 0})()})()
+    lora = LoraAdapter(LoraAdapter.Options(r=4))
+    peft_model = lora.apply(model, AdapterContext(run, quiet, None))
+    deltas = [n for n, p in peft_model.named_parameters() if p.requires_grad and "trainable_tokens" in n]
+    assert deltas, "the added tokens' rows are not trainable under LoRA"
+
+    text = template.render(rows[0]["messages"])
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    assert ids[0, -2].item() == end  # "...<|end|>\n"
+    at = ids.shape[1] - 2  # where <|end|> is the next token
+
+    def p_end(m):
+        with torch.no_grad():
+            return m(input_ids=ids[:, :at]).logits[0, -1].softmax(-1)[end].item()
+
+    start = p_end(peft_model)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(40):
+        loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    learned = p_end(peft_model)
+    assert start < 0.05 and learned > 0.5, (start, learned)  # it learned to end the turn
+    merged = lora.merge(peft_model)
+    trained = merged.get_input_embeddings().weight.detach()
+    assert not torch.allclose(trained[end], weight[end])  # the new row itself was trained
+    assert torch.equal(trained[:before], weight[:before])  # the old rows stayed frozen
+    assert p_end(merged) == pytest.approx(learned, abs=1e-4)  # merging keeps the trained row
+
+
+def test_adapter_that_cannot_train_added_tokens_says_what_to_use(tmp_path, example_modules):
+    from ftcore.context import AdapterContext
+    from ftcore.errors import FtcoreError
+    from ftcore_plugins.adapters.ia3 import Ia3Adapter
+
+    model, tok, _, quiet = _tiny_model(tmp_path)
+    model, tok = example_modules.TurnsTemplate().prepare(model, tok)
+    run = type("Run", (), {"is_main": True, "plan": type("Plan", (), {"seed": 0})()})()
+    with pytest.raises(FtcoreError) as err:
+        Ia3Adapter(Ia3Adapter.Options()).apply(model, AdapterContext(run, quiet, None))
+    assert str(err.value) == ("adapter 'ia3' cannot train the embeddings of the 2 special token(s) the chat template "
+                              "added, so the model would never learn them (nor to stop at the end of a turn); use "
+                              "adapter \"lora\" (or a LoRA variant) or \"full\", or a tokenizer that already has the "
+                              "template's tokens")
+
+
+# -- names and descriptions ------------------------------------------------------------------------
+
+def test_description_is_the_docstring_first_paragraph():
+    from ftcore.registry import Registration
+
+    class Wrapped:
+        """A summary that is wrapped
+        over two lines.
+
+        Details that are not shown."""
+
+    reg = Registration("evaluator", "w", Wrapped, "p", "d", "1")
+    assert reg.description == "A summary that is wrapped over two lines."
+    listing = plugins_json(REPO)
+    csv = next(c for c in listing["components"]["data source"] if c["name"] == "csv")
+    assert csv["description"] == "CSV files with a header row, any row format."
+
+
+@pytest.mark.slow
+def test_third_party_component_with_a_builtin_name_does_not_break_plans(tmp_path):
+    site = tmp_path / "site"
+    add_dist(site, "other-dist", {"other_mod": component_module("register_trainers", "Other", "sft", "train")},
+             {"other": "other_mod"})
+
+    listing = plugins_json(tmp_path, site)
+    conflicts = [c for c in listing["conflicts"] if "'sft'" in c]
+    expected = ("plugin 'other' (other-dist 1.0) also registers the trainer 'sft'; the bare name 'sft' means the "
+                "built-in (ftcore:sft); to use the plugin's, write 'other-dist:sft'")
+    assert conflicts == [expected]
+
+    bare = write_plan(tmp_path, trainer="sft", run_name="bare")
+    r = ftcore_cli("validate", str(bare), cwd=tmp_path, site=site)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count(f"warning: {expected}") == 1, r.stderr
+
+    qualified = write_plan(tmp_path, trainer="other-dist:sft", run_name="qualified")
+    r = ftcore_cli("validate", str(qualified), cwd=tmp_path, site=site)
+    assert r.returncode == 0, r.stderr
+    assert "also registers" not in r.stderr
+
+
+@pytest.mark.slow
+def test_evaluator_sees_its_evaluation_name_and_its_failure_names_it(tmp_path):
+    site = tmp_path / "site"
+    body = "raise ValueError(f'ctx.name is {ctx.name}')"
+    add_dist(site, "crash-dist", {"crash_mod": component_module("register_evaluators", "Crash", "crash", "evaluate",
+                                                                body)}, {"crash": "crash_mod"})
+    plan = write_plan(tmp_path, evaluate='[[evaluate]]\nname = "boom"\nuse = "crash"\n', run_name="crash")
+    r = ftcore_cli("run", str(plan), cwd=tmp_path, site=site)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert ("error: evaluator 'crash' from plugin 'crash' (crash-dist 1.0) failed in evaluate() "
+            "[evaluation 'boom', evaluate[0]]: ValueError: ctx.name is boom") in r.stderr
+
+
+# -- the example package, installed --------------------------------------------------------------
+
+def _exact_match(run_dir: Path) -> float:
+    return json.loads((run_dir / "evaluations" / "after.json").read_text())["answers"]["exact_match"]
+
+
+@pytest.mark.slow
+def test_example_package_template_learns_its_end_of_turn_as_well_as_chatml(tmp_path):
+    text = (EXAMPLE / "plan.toml").read_text().replace('"../quickstart/', f'"{QUICKSTART.as_posix()}/')
+    text = text.replace('"data/train.tsv"', f'"{(EXAMPLE / "data" / "train.tsv").as_posix()}"')
+    turns = tmp_path / "turns.toml"
+    turns.write_text(text)
+    chatml = tmp_path / "chatml.toml"  # the same plan, the built-in template: one name differs
+    swapped, n = re.subn(r'(?m)^use = "turns"$', 'use = "chatml"', text)
+    assert n == 1
+    chatml.write_text(swapped.replace('name = "example-data"', 'name = "chatml"'))
+
+    with installed(EXAMPLE, EXAMPLE_DIST, tmp_path):
+        listing = plugins_json(tmp_path)
+        assert [c["qualified"] for c in listing["components"]["data source"] if c["name"] == "tsv"] == \
+            [f"{EXAMPLE_DIST}:tsv"]
+        assert [c["qualified"] for c in listing["components"]["chat template"] if c["name"] == "turns"] == \
+            [f"{EXAMPLE_DIST}:turns"]
+        for plan in (turns, chatml):
+            r = ftcore_cli("run", str(plan), cwd=tmp_path, timeout=3600)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    ours, builtin = _exact_match(tmp_path / "runs" / "example-data"), _exact_match(tmp_path / "runs" / "chatml")
+    print(f"exact match after training: turns {ours:.2f}, chatml {builtin:.2f}")
+    assert builtin >= 0.8, builtin  # the task is learned at all
+    assert abs(ours - builtin) <= 0.05, (ours, builtin)
+    report = json.loads((tmp_path / "runs" / "example-data" / "data_report.json").read_text())
+    assert "source/train" in json.dumps(report)  # the TSV source's stats reach the data report

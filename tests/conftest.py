@@ -156,6 +156,6 @@ def quickstart_run(tmp_path_factory):
     only read (copy it to change it)."""
     project = tmp_path_factory.mktemp("quickstart-run") / "quickstart"
     shutil.copytree(ROOT / "examples" / "quickstart", project, ignore=shutil.ignore_patterns("runs"))
-    result = run_cli("run", str(project / "plan.toml"))
+    result = run_cli("run", str(project / "plan.toml"), timeout=3600)  # ~45 s idle, over 10 min on a busy machine
     assert result.returncode == 0, result.stderr[-3000:]
     return project / "runs" / "quickstart"

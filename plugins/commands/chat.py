@@ -191,7 +191,7 @@ class ChatCommand(Command):
         except ImportError:
             pass
         sampling = sampling_from(args)
-        console, notes = Console(), Console(stderr=True)
+        console, notes = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
         run = Run(args.run_dir, notes)
         if args.compare is not None:
             run.check_stage(args.compare)  # before loading anything

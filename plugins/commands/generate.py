@@ -127,7 +127,7 @@ class GenerateCommand(Command):
             raise FtcoreError(f"{args.output} already exists; pass --force to overwrite it, or choose another "
                               "--output")
         rows = read_inputs(Path(args.input), args.input, args.raw)  # bad input fails before the model loads
-        console = Console(stderr=True)
+        console = Console(stderr=True, soft_wrap=True)
         run = Run(args.run_dir, console)
         model = run.model(stage=args.stage, export=args.export)
         prompts = []

@@ -32,19 +32,19 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pytest
 
-__all__ = ["ANIMALS", "TINY_PLAN", "RecordingReporter", "RunResult", "TinyModel", "chat_rows", "complete_checkpoints",
+__all__ = ["ANIMALS", "OTHERS", "TINY_PLAN", "RecordingReporter", "RunResult", "TinyModel", "chat_rows", "complete_checkpoints",
            "run_ftcore", "stage_context", "start_ftcore", "text_rows", "tiny_model", "to_toml", "wait_until",
            "write_jsonl", "write_plan"]
 
 # -- tiny data -------------------------------------------------------------------------------------
 ANIMALS = ["cat", "dog", "bird", "fox"]
-_OTHERS = ["red", "blue", "tree", "stone", "runs", "sees"]
+OTHERS = ["red", "blue", "tree", "stone", "runs", "sees"]
 
 
 def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
@@ -54,7 +54,7 @@ def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rows = []
     for _ in range(n):
         animal = rng.choice(ANIMALS)
-        words = [animal, *rng.sample(_OTHERS, 2)]
+        words = [animal, *rng.sample(OTHERS, 2)]
         rng.shuffle(words)
         rows.append({"messages": [{"role": "user", "content": "Which is an animal? " + " ".join(words)},
                                   {"role": "assistant", "content": f"the {animal}"}]})
@@ -64,7 +64,7 @@ def chat_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
 def text_rows(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` plain-text rows (``{"text": ...}``) over the same words, for ``pretrain``."""
     rng = random.Random(seed)
-    return [{"text": " ".join(f"the {rng.choice(_OTHERS)} {rng.choice(ANIMALS)} {rng.choice(_OTHERS)}."
+    return [{"text": " ".join(f"the {rng.choice(OTHERS)} {rng.choice(ANIMALS)} {rng.choice(OTHERS)}."
                               for _ in range(4))} for _ in range(n)]
 
 

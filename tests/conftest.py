@@ -14,6 +14,9 @@ from urllib.request import url2pathname
 
 import pytest
 
+# The tiny data the plugin authors' kit generates is the suite's too.
+from ftcore.testing import ANIMALS, OTHERS, chat_rows, text_rows, write_jsonl  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
 
@@ -26,42 +29,12 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
-    """Run ``python -m ftcore ARGS`` in a subprocess, as a user would."""
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 3600):
+    """Run ``python -m ftcore ARGS`` in a subprocess, as a user would. The timeout only catches a hang:
+    on a shared 2-core machine a run can take many times its idle time."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
-
-
-ANIMALS = ["cat", "dog", "bird", "fox"]
-OTHERS = ["red", "blue", "tree", "stone", "runs", "sees"]
-
-
-def chat_rows(n: int, seed: int = 0) -> list[dict]:
-    import random
-
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        animal = rng.choice(ANIMALS)
-        words = [animal, *rng.sample(OTHERS, 2)]
-        rng.shuffle(words)
-        rows.append({"messages": [{"role": "user", "content": "Which is an animal? " + " ".join(words)},
-                                  {"role": "assistant", "content": f"the {animal}"}]})
-    return rows
-
-
-def text_rows(n: int, seed: int = 0) -> list[dict]:
-    import random
-
-    rng = random.Random(seed)
-    return [{"text": " ".join(f"the {rng.choice(OTHERS)} {rng.choice(ANIMALS)} {rng.choice(OTHERS)}."
-                              for _ in range(4))} for _ in range(n)]
 
 
 @pytest.fixture

@@ -312,28 +312,11 @@ class TransformersModel(Model):
             raise failure[0]
 
     def answers(self, prompts: list[str], sampling: Sampling, batch_size: int, progress: Any) -> list[str]:
-        """Batched as the ``generation`` evaluator batches: left padding, no special tokens added, answers
-        decoded without special tokens and stripped."""
-        import torch
+        """Batched as the ``generation`` evaluator batches (``common/generate.py``)."""
+        from ftcore_plugins.common.generate import batched_answers
 
-        tok, model = self.tokenizer, self.model
-        device = next(model.parameters()).device
-        side, tok.padding_side = tok.padding_side, "left"  # decoder-only models generate from the right edge
-        answers: list[str] = []
-        try:
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
-            with torch.no_grad():
-                for start in range(0, len(prompts), batch_size):
-                    batch = tok(prompts[start:start + batch_size], return_tensors="pt", padding=True,
-                                add_special_tokens=False).to(device)
-                    out = model.generate(**batch, **self._generate_args(sampling))
-                    new = out[:, batch["input_ids"].shape[1]:]
-                    answers += [a.strip() for a in tok.batch_decode(new, skip_special_tokens=True)]
-                    progress.advance(len(new))
-        finally:
-            tok.padding_side = side
-        return answers
+        return batched_answers(self.model, self.tokenizer, prompts, batch_size=batch_size, progress=progress,
+                               seed=sampling.seed, **self._generate_args(sampling))
 
 
 class LlamaCppModel(Model):

@@ -156,31 +156,15 @@ def generate_answers(ctx: Any, prompts: list[str], *, max_new_tokens: int, batch
 
     import torch
 
-    tok, model = ctx.tokenizer, ctx.model
-    device = next(model.parameters()).device
-    stops = stop_token_ids(tok, ctx.template)
-    side, tok.padding_side = tok.padding_side, "left"  # decoder-only models generate from the right edge
-    was_training = model.training
-    model.eval()
-    answers: list[str] = []
+    from ftcore_plugins.common.generate import batched_answers
+
+    device = next(ctx.model.parameters()).device
     rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) \
         if seed is not None else contextlib.nullcontext()
-    try:
-        with rng, ctx.reporter.progress(f"{label} ({ctx.phase})", len(prompts)) as bar, torch.no_grad():
-            if seed is not None:
-                torch.manual_seed(seed)
-            for start in range(0, len(prompts), batch_size):
-                batch = tok(prompts[start:start + batch_size], return_tensors="pt", padding=True,
-                            add_special_tokens=False).to(device)
-                out = model.generate(**batch, max_new_tokens=max_new_tokens, eos_token_id=stops,
-                                     pad_token_id=tok.pad_token_id, **sampling)
-                new = out[:, batch["input_ids"].shape[1]:]
-                answers += [a.strip() for a in tok.batch_decode(new, skip_special_tokens=True)]
-                bar.advance(len(new))
-    finally:
-        tok.padding_side = side
-        model.train(was_training)
-    return answers
+    with rng, ctx.reporter.progress(f"{label} ({ctx.phase})", len(prompts)) as bar:
+        return batched_answers(ctx.model, ctx.tokenizer, prompts, batch_size=batch_size, progress=bar, seed=seed,
+                               max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(ctx.tokenizer, ctx.template),
+                               pad_token_id=ctx.tokenizer.pad_token_id, **sampling)
 
 
 def write_predictions(ctx: Any, prompts: list[str], references: list[str], predictions: list[str],

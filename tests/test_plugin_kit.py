@@ -132,9 +132,10 @@ def test_added_end_of_turn_token_is_initialised_apart_and_learned_under_lora(tmp
     assert weight.shape[0] == before + 2
     assert not torch.equal(weight[end], weight[tok.pad_token_id])
     assert not torch.allclose(weight[end], weight[turn])
-    # near the mean of the old rows: closer to it than the old rows are on average
+    # drawn like the old rows: as far from their mean as they are, within a factor of 2
     mean = weight[:before].mean(0)
-    assert (weight[end] - mean).norm() < (weight[:before] - mean).norm(dim=1).mean()
+    typical = (weight[:before] - mean).norm(dim=1).mean()
+    assert 0.5 * typical < (weight[end] - mean).norm() < 2 * typical
     assert model.config.eos_token_id == [end, tok.eos_token_id]
     assert model.generation_config.eos_token_id[0] == end
     assert tok.chat_template == example_modules.turns.JINJA

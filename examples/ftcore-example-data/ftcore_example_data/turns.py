@@ -25,7 +25,7 @@ class TurnsTemplate(Component):
         return text + (f"{TURN}assistant\n" if add_generation_prompt else "")
 
     def prepare(self, model, tokenizer):
-        # Adds the tokens the tokenizer lacks, grows the embeddings (new rows near the mean, each
+        # Adds the tokens the tokenizer lacks, grows the embeddings (new rows drawn like the old ones, each
         # different), has LoRA train those rows, stops generation at <|end|> and saves JINJA
         # with the tokenizer.
         return add_special_tokens(model, tokenizer, [TURN, END], end_of_turn=END, chat_template=JINJA)

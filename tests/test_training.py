@@ -11,10 +11,11 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from ftcore.testing import wait_until  # polls a run; fails the test if it ends first
 
 from conftest import run_cli
 
@@ -333,16 +334,6 @@ def step_losses(run: Path) -> list[tuple[int, float]]:
     path = run / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["stage"] == "sft" and "loss" in r]
-
-
-def wait_until(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if ready():
-            return
-        time.sleep(0.02)
-    out, err = proc.communicate()
-    pytest.fail(f"the run ended before it could be interrupted (exit {proc.returncode}): {err[-2000:]}")
 
 
 def stopped_by(sig: signal.Signals, proc: subprocess.Popen, run: Path, plan: Path) -> int:

@@ -54,11 +54,12 @@ def test_builtin_commands_are_plugins_and_help_lists_them(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
     for name, line in (("init", "write a starter plan"), ("estimate", "predict each stage's peak memory"),
-                       ("report", "write a run's report.html"), ("cache", "show or clear the tokenized-data cache")):
+                       ("report", "write a run's report.html"), ("cache", "show or clear the tokenized-data cache"),
+                       ("chat", "chat with a run's model"), ("generate", "answer a JSONL file of prompts")):
         assert lines_with(r.stdout, name, line), r.stdout
     listing = json.loads(ftcore_cli("plugins", "--json", cwd=tmp_path).stdout)
     by_name = {c["name"]: c for c in listing["commands"]}
-    assert set(by_name) == {"init", "estimate", "report", "cache"}
+    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate"}
     assert all(c["dist"] == "ftcore" and c["plugin"].startswith("ftcore_plugins.commands.") for c in by_name.values())
 
 

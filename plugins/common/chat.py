@@ -6,11 +6,11 @@
   completion and the EOS token after it;
 * text rows (``text``) are trained on every token, with EOS appended.
 
-Assistant spans come from characters: the template renders the conversation once,
-each assistant turn's span is found by rendering the prefix before it (with the
-generation prompt) and the conversation up to it, and tokens whose first character
-lies inside a span are labelled. This labels every assistant turn and the end-of-turn
-token that closes it, whatever the pad token is.
+Assistant turns are located in characters of the one rendering of the whole conversation
+(:mod:`ftcore_plugins.common.spans`, which works for templates that rewrite history), and
+tokens whose first character lies inside a turn are labelled: every assistant turn and the
+end-of-turn token that closes it, whatever the pad token is. With ``[template] samples =
+"per_turn"`` a conversation becomes one sample per assistant turn, ending with that turn.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ftcore.errors import FtcoreError
+
+from ftcore_plugins.common.spans import SpanError, SpanLocator
 
 IGNORE = -100
 Truncation = Literal["truncate_response", "truncate_prompt", "drop"]
@@ -62,30 +64,30 @@ def prompt_text(row: dict, tokenizer: Any, template: Any) -> str:
     return template.render(messages, tokenizer, add_generation_prompt=True) if messages else ""
 
 
-def render_with_spans(template: Any, messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
-    messages = template_messages(messages)
-    text = template.render(messages, tokenizer, add_generation_prompt=False)
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prefix = template.render(messages[:i], tokenizer, add_generation_prompt=True)
-        upto = template.render(messages[: i + 1], tokenizer, add_generation_prompt=False)
-        if not (text.startswith(upto) and upto.startswith(prefix)):
-            raise FtcoreError(f"template '{template.name}' does not render conversations prefix by prefix, "
-                              "so assistant turns cannot be located for the loss mask")
-        end = len(upto.rstrip("\n ")) if upto.rstrip("\n ") else len(upto)
-        spans.append((len(prefix), end))
-    return text, spans
+def row_tools(row: dict) -> list | None:
+    """A chat row's tool schemas (stored as JSON text), or None."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools) if tools.strip() else None
+    return tools or None
+
+
+def render_with_spans(template: Any, messages: list[dict], tokenizer: Any, tools: list | None = None,
+                      locator: SpanLocator | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation as the template renders it and each assistant turn's characters."""
+    locator = locator or SpanLocator(template, tokenizer)
+    return locator.locate(template_messages(messages), tools)
 
 
 @dataclass
 class EncodeStats:
     rows: int = 0
+    samples: int = 0  # one per row, or one per assistant turn with [template] samples = "per_turn"
     kept: int = 0
     truncated: int = 0
     dropped_too_long: int = 0
     dropped_no_labels: int = 0
+    skipped_unrenderable: int = 0  # rows the template cannot render or locate turns in (on_error = "skip")
     tokens: int = 0
     label_tokens: int = 0
     lengths: list[int] = field(default_factory=list)  # kept samples' token counts
@@ -100,19 +102,40 @@ class EncodeStats:
         return out
 
 
-def row_text(row: dict, tokenizer: Any, template: Any, train_on_inputs: bool,
-             add_eos_to_text: bool) -> tuple[str, list[tuple[int, int]] | None]:
-    """The text to tokenize and the character spans to train on (None: all of it)."""
+def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bool = False,
+                add_eos_to_text: bool = True,
+                locator: SpanLocator | None = None) -> list[tuple[str, list[tuple[int, int]] | None]]:
+    """The samples one row becomes: ``(text, spans to train on)`` pairs (spans None: all of it).
+    Raises :class:`FtcoreError` (one line) when the row cannot be rendered or its turns located."""
     if row.get("messages"):
-        text, spans = render_with_spans(template, row["messages"], tokenizer)
-        return text, None if train_on_inputs else spans
+        messages, tools = template_messages(row["messages"]), row_tools(row)
+        if train_on_inputs:
+            return [(_render(template, messages, tokenizer, tools), None)]
+        locator = locator or SpanLocator(template, tokenizer)
+        if samples_mode(template) == "per_turn":
+            # One sample per assistant turn, ending with it: the template renders that turn as the
+            # model generates it (a thinking model's reasoning kept), and only it is trained.
+            return [locator.locate(messages[:i + 1], tools, turns={i})
+                    for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        return [locator.locate(messages, tools)]
     eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
     if row.get("completion") is not None and isinstance(row.get("prompt"), str):
         text = row["prompt"] + row["completion"] + eos
-        return text, None if train_on_inputs else [(len(row["prompt"]), len(text))]
+        return [(text, None if train_on_inputs else [(len(row["prompt"]), len(text))])]
     if row.get("text") is not None:
-        return row["text"] + eos, None
+        return [(row["text"] + eos, None)]
     raise FtcoreError(f"a row has none of 'messages', 'prompt'+'completion' or 'text' (it has: {', '.join(row)})")
+
+
+def samples_mode(template: Any) -> str:
+    """``conversation`` (one sample per row) or ``per_turn``, from the template's options."""
+    return getattr(getattr(template, "options", None), "samples", "conversation")
+
+
+def _render(template: Any, messages: list[dict], tokenizer: Any, tools: list | None) -> str:
+    if tools:
+        return template.render(messages, tokenizer, add_generation_prompt=False, tools=tools)
+    return template.render(messages, tokenizer, add_generation_prompt=False)
 
 
 def label_spans(ids: list[int], spans: list[tuple[int, int]] | None, token_at: Any) -> list[int]:
@@ -165,20 +188,44 @@ class _Offsets:
 
 def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, train_on_inputs: bool = False,
            truncation: Truncation = "truncate_response", add_eos_to_text: bool = True, reporter: Any = None,
-           description: str = "tokenize", batch: int = 1000) -> tuple[dict[str, list], EncodeStats]:
+           description: str = "tokenize", batch: int = 1000, on_error: str = "error",
+           where: str = "data") -> tuple[dict[str, list], EncodeStats]:
     """Tokenize rows into ``input_ids`` and ``labels`` lists, applying ``max_length`` by
     ``truncation``: cut the end of the response, cut the oldest prompt tokens from the
-    left, or drop the sample. Samples left with nothing to learn are dropped and counted."""
+    left, or drop the sample. Samples left with nothing to learn are dropped and counted.
+
+    A row the template cannot render, or whose turns cannot be located, is an error naming
+    ``where``, the row and the template, or with ``on_error = "skip"`` a counted skip."""
     stats = EncodeStats()
+    locator = SpanLocator(template, tokenizer)
+    template_name = getattr(template, "name", type(template).__name__)
+
+    def samples(index: int, row: dict) -> list:
+        try:
+            return row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs,
+                               add_eos_to_text=add_eos_to_text, locator=locator)
+        except FtcoreError as exc:
+            if on_error == "skip":
+                stats.skipped_unrenderable += 1
+                return []
+            fix = ('; set [template] use = "chatml" (or another named template), train_on_inputs = true, or '
+                   'on_error = "skip" in the data source' if isinstance(exc, SpanError) else
+                   '; or set on_error = "skip" in the data source to skip such rows')
+            message = str(exc)
+            prefix = f"template '{template_name}': "
+            message = message[len(prefix):] if message.startswith(prefix) else message
+            raise FtcoreError(f"{where}, row {index + 1}: template '{template_name}': {message}{fix} "
+                              "(`ftcore validate --data PLAN` lists every such row with its file and line)") from None
     out: dict[str, list] = {"input_ids": [], "labels": []}
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when there is one
 
-    def render(start: int) -> tuple[list[str], list]:
+    def render(start: int) -> tuple[list[str], list, int]:
         chunk = rows[start:start + batch]
         chunk = [dict(zip(chunk, values)) for values in zip(*chunk.values())] if isinstance(chunk, dict) \
             else list(chunk)
-        pairs = [row_text(r, tokenizer, template, train_on_inputs, add_eos_to_text) for r in chunk]
-        return [t for t, _ in pairs], [sp for _, sp in pairs]
+        stats.rows += len(chunk)
+        pairs = [pair for k, r in enumerate(chunk) for pair in samples(start + k, r)]
+        return [t for t, _ in pairs], [sp for _, sp in pairs], len(chunk)
 
     if backend is not None:
         # transformers leaves padding/truncation switched on in the Rust tokenizer after a
@@ -195,7 +242,7 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
 
     def label(encoded: list[tuple[list[int], _Offsets]], spans: list) -> None:
         for (ids, lookup), sp in zip(encoded, spans):
-            stats.rows += 1
+            stats.samples += 1
             labels = label_spans(ids, sp, lookup)
             if max_length is not None and len(ids) > max_length:
                 if truncation == "drop":
@@ -223,11 +270,11 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
         for start in [*range(0, len(rows), batch), None]:
             following = None
             if start is not None:
-                texts, spans = render(start)
-                following = (pool.submit(tokenize, texts), spans)
+                texts, spans, n_rows = render(start)
+                following = (pool.submit(tokenize, texts), spans, n_rows)
             if queued is not None:
                 label(queued[0].result(), queued[1])
-                bar.advance(len(queued[1]))
+                bar.advance(queued[2])
             queued = following
     return out, stats
 

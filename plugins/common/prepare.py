@@ -22,7 +22,7 @@ from ftcore.cache import cache_dir
 
 from ftcore_plugins.common.chat import Truncation, encode
 
-DATA_LAYER_VERSION = 2  # bump when tokenization or masking changes behaviour
+DATA_LAYER_VERSION = 3  # bump when tokenization or masking changes behaviour
 
 _PROBE = [
     {"role": "system", "content": "S"},
@@ -86,12 +86,12 @@ def template_fingerprint(template: Any, tokenizer: Any) -> str:
 def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
             truncation: Truncation = "truncate_response", train_on_inputs: bool = False,
             add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
-            use_cache: bool = True) -> Prepared:
+            use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
     import datasets
 
     quiet_library_progress_bars()
     options = {"max_length": max_length, "truncation": truncation, "train_on_inputs": train_on_inputs,
-               "add_eos_to_text": add_eos_to_text}
+               "add_eos_to_text": add_eos_to_text, "on_error": on_error}
     key = hashlib.sha256(json.dumps({
         "version": DATA_LAYER_VERSION, "data": data_fingerprint(rows), "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": template_fingerprint(template, tokenizer), "options": options}, sort_keys=True).encode()
@@ -105,7 +105,7 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
             pass  # a damaged entry: rebuild it below
     columns, encoded = encode(rows, tokenizer, template, max_length=max_length, truncation=truncation,
                               train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text,
-                              reporter=reporter, description=description)
+                              reporter=reporter, description=description, on_error=on_error, where=where)
     dataset = datasets.Dataset.from_dict(columns, features=datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "labels": datasets.Sequence(datasets.Value("int32"))}))

@@ -7,15 +7,16 @@ writes, and the end-of-turn tokens generation stops at. Rendering goes through
 ``transformers``' ``apply_chat_template``, so ``bos_token`` and ``eos_token`` in the
 template are the tokenizer's own.
 
-Templates must render prefix by prefix: rendering ``messages[:i]`` with the generation
-prompt, then ``messages[:i + 1]``, must give prefixes of the whole conversation's text,
-because that is how :func:`ftcore_plugins.common.chat.render_with_spans` finds the assistant
-turns to train on.
+Assistant turns are found in the rendering of the whole conversation
+(:mod:`ftcore_plugins.common.spans`), so a family may render history differently from the
+turn being generated, as Qwen3 and gpt-oss do.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
@@ -38,7 +39,20 @@ MERGE_SYSTEM = (
 MERGE_JOIN = "\n\n"
 
 
-class NoSystemOptions(Options):
+class TemplateOptions(Options):
+    """Options every built-in template takes."""
+
+    samples: Literal["conversation", "per_turn"] = "conversation"
+    """``conversation``: one sample per row, the conversation as the template renders it (a
+    thinking template drops earlier turns' reasoning), every assistant turn trained.
+    ``per_turn``: one sample per assistant turn, the conversation up to and including it, only
+    that turn trained: each turn's reasoning is trained in the context the model generates it in."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra variables for the Jinja template, as ``apply_chat_template(**kwargs)`` passes them,
+    e.g. ``{ enable_thinking = false }`` for Qwen3's no-think mode."""
+
+
+class NoSystemOptions(TemplateOptions):
     """Options of a family whose format has no system role."""
 
     system: Literal["error", "merge"] = "error"
@@ -68,6 +82,7 @@ class JinjaTemplate(Component):
     template does not need one."""
     system_role: ClassVar[bool] = True
     """False for formats without a system role; such families take ``NoSystemOptions``."""
+    Options = TemplateOptions
 
     # -- the template actually used ------------------------------------------------
 
@@ -85,29 +100,15 @@ class JinjaTemplate(Component):
 
     # -- rendering ------------------------------------------------------------------
 
-    def render(self, messages: list[dict], tokenizer: Any = None, add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], tokenizer: Any = None, add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> str:
         messages = list(messages)
         if not self.system_role:
             self._check_system(messages)
-        template = self.chat_template()
-        defaults = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
-                    if v is not None and _token(tokenizer, k) is None}
-        import jinja2  # transformers renders chat templates with it
-
-        try:
-            if tokenizer is not None and messages:
-                return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt, **defaults)
-            # No tokenizer, or nothing to render yet (apply_chat_template refuses an empty
-            # conversation): the same renderer, fed the same variables.
-            from transformers.utils.chat_template_utils import render_jinja_template
-
-            variables = {**(dict(tokenizer.special_tokens_map) if tokenizer is not None else {}), **defaults}
-            rendered, _ = render_jinja_template(conversations=[messages], chat_template=template,
-                                                add_generation_prompt=add_generation_prompt, **variables)
-            return rendered[0]
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # raise_exception, undefined values
-            raise FtcoreError(f"template '{self.name}' cannot render this conversation: {_one_line(exc)}") from exc
+        return render_jinja(self.name, self.chat_template(), messages, tokenizer, add_generation_prompt, tools,
+                            {**template_kwargs(self), **{k: v for k, v in (("bos_token", self.bos_token),
+                                                                          ("eos_token", self.eos_token))
+                                                         if v is not None and _token(tokenizer, k) is None}})
 
     def _check_system(self, messages: list[dict]) -> None:
         for i, message in enumerate(messages):
@@ -143,6 +144,40 @@ class JinjaTemplate(Component):
         if end is not None:
             set_end_of_turn(model, tokenizer, end)
         return model, tokenizer
+
+
+def template_kwargs(template: Any) -> dict[str, Any]:
+    """The plan's ``chat_template_kwargs`` for a template (none for a template without the option)."""
+    return dict(getattr(getattr(template, "options", None), "chat_template_kwargs", None) or {})
+
+
+def render_jinja(name: str, template: str | None, messages: list[dict], tokenizer: Any,
+                 add_generation_prompt: bool, tools: list[dict] | None, variables: dict[str, Any]) -> str:
+    """Render ``messages`` with a Jinja chat template as transformers does (``template`` None: the
+    tokenizer's own), ``tools`` passed as ``apply_chat_template(tools=...)`` passes them."""
+    import jinja2  # transformers renders chat templates with it
+
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    if tools and isinstance(source, str) and "tools" not in source:
+        raise FtcoreError(f"template '{name}' does not render tool schemas, and this conversation has 'tools'; "
+                          "use a template that does (e.g. \"native\" with a tool-calling model's tokenizer)")
+    try:
+        if tokenizer is not None and messages:
+            return tokenizer.apply_chat_template(messages, chat_template=template, tools=tools, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt, **variables)
+        # No tokenizer, or nothing to render yet (apply_chat_template refuses an empty
+        # conversation): the same renderer, fed the same variables.
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if template is None:
+            template = getattr(tokenizer, "chat_template", None)
+        variables = {**(dict(tokenizer.special_tokens_map) if tokenizer is not None else {}), **variables}
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, tools=tools,
+                                            add_generation_prompt=add_generation_prompt, **variables)
+        return rendered[0]
+    except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+        # raise_exception in the template, undefined values, a template that needs what the row lacks
+        raise FtcoreError(f"template '{name}' cannot render this conversation: {_one_line(exc)}") from exc
 
 
 def _token(tokenizer: Any, key: str) -> str | None:

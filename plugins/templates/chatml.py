@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ftcore
-from ftcore_plugins.templates._base import JinjaTemplate
+from ftcore_plugins.templates._base import JinjaTemplate, template_kwargs
 
 START, END = "<|im_start|>", "<|im_end|>"
 JINJA = (
@@ -21,7 +21,9 @@ class ChatMLTemplate(JinjaTemplate):
     special_tokens = (START, END)
     stop_tokens = (END,)
 
-    def render(self, messages, tokenizer=None, add_generation_prompt=False) -> str:
+    def render(self, messages, tokenizer=None, add_generation_prompt=False, tools=None) -> str:
+        if tools or template_kwargs(self):
+            return super().render(messages, tokenizer, add_generation_prompt, tools)
         # The same text as JINJA renders, without a Jinja round trip (tests check they agree).
         text = "".join(f"{START}{m['role']}\n{m['content']}{END}\n" for m in messages)
         return text + (f"{START}assistant\n" if add_generation_prompt else "")

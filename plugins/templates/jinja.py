@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import ftcore
-from ftcore.component import Options
 from ftcore.errors import FtcoreError
 from ftcore.types import InputPath
-from ftcore_plugins.templates._base import JinjaTemplate, parse_jinja
+from ftcore_plugins.templates._base import JinjaTemplate, TemplateOptions, parse_jinja
 
 
 class JinjaFileTemplate(JinjaTemplate):
@@ -16,7 +15,7 @@ class JinjaFileTemplate(JinjaTemplate):
 
     name = "jinja"
 
-    class Options(Options):
+    class Options(TemplateOptions):
         path: InputPath
         stop_tokens: list[str] = []
         special_tokens: list[str] = []

@@ -5,23 +5,22 @@ from __future__ import annotations
 import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
+from ftcore_plugins.templates._base import TemplateOptions, render_jinja, template_kwargs
 
 
 class NativeTemplate(Component):
     """The tokenizer's own chat template (tokenizer_config.json's chat_template)."""
 
     name = "native"
-    stop_tokens = ()
+    stop_tokens = ()  # read from the template's rendering (ftcore_plugins.common.spans)
+    Options = TemplateOptions
 
-    def render(self, messages, tokenizer=None, add_generation_prompt=False) -> str:
+    def render(self, messages, tokenizer=None, add_generation_prompt=False, tools=None) -> str:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise FtcoreError("template 'native': the tokenizer has no chat template; "
                               "set [template] use = \"chatml\" (or another named template)")
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # jinja raises for roles a family rejects (e.g. Gemma's system)
-            raise FtcoreError(f"template 'native': the tokenizer's chat template failed: {exc}") from exc
+        return render_jinja(self.name, None, list(messages), tokenizer, add_generation_prompt, tools,
+                            template_kwargs(self))
 
 
 @ftcore.hookimpl

@@ -399,6 +399,20 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     return metrics
 
 
+def data_origin(ctx: Any, label: str) -> tuple[str, str]:
+    """For the stage's ``train`` or ``eval`` rows: how messages name them ("data.chat (chat.jsonl)")
+    and the source's ``on_error``."""
+    stage = next((s for s in ctx.run.plan.stages if s.name == ctx.stage), None)
+    ref = (stage.data if label == "train" else (stage.eval_data or stage.data)) if stage else None
+    selected = ctx.run.plan.data.get(str(ref).split(":")[0]) if ref else None
+    if selected is None:
+        return f"stage {ctx.stage} {label} data", "error"
+    path = getattr(selected.options, "path", None)
+    paths = path if isinstance(path, (list, tuple)) else [path] if path else []
+    shown = f"{selected.key} ({', '.join(str(p) for p in paths)})" if paths else selected.key
+    return shown, getattr(selected.options, "on_error", "error")
+
+
 def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "truncate_response",
                     train_on_inputs: bool = False, batch_size: int = 8,
                     packed_length: int | None = None) -> tuple[Any, Any]:
@@ -413,16 +427,18 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
         if rows is None:
             out.append(None)
             continue
+        where, on_error = data_origin(ctx, label)
         prepared = prepare(rows, ctx.tokenizer, ctx.template, max_length=max_length, truncation=truncation,
                            train_on_inputs=train_on_inputs, reporter=ctx.reporter,
-                           description=f"tokenize {label}")
+                           description=f"tokenize {label}", on_error=on_error, where=where)
         stats = dict(prepared.stats, cache="hit" if prepared.cache_hit else "miss")
         if packed_length and stats["kept"]:
             stats.update(packing_report(prepared.dataset, packed_length, batch_size))
         ctx.reporter.data_report(f"{ctx.stage}/{label}", stats)
         ctx.reporter.log(ctx.stage, {f"data/{label}_{k}": v for k, v in stats.items() if k != "cache"})
         shown.append([label, stats["rows"], stats["kept"], stats["truncated"],
-                      stats["dropped_too_long"] + stats["dropped_no_labels"], stats["tokens"],
+                      stats["dropped_too_long"] + stats["dropped_no_labels"] + stats.get("skipped_unrenderable", 0),
+                      stats["tokens"],
                       stats["label_tokens"], f"{stats.get('length_p50', 0)}/{stats.get('length_p90', 0)}/"
                       f"{stats.get('length_max', 0)}", stats["cache"]])
         if not stats["kept"]:

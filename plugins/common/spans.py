@@ -1,0 +1,249 @@
+"""Where each assistant turn lies in a chat template's rendering, for any template.
+
+Templates rewrite history: Qwen3 and QwQ drop ``<think>`` from earlier turns, gpt-oss drops the
+analysis channel, Mistral moves the system prompt into the last user turn. So a turn is found in
+the one rendering of the whole conversation, never by rendering prefixes of it:
+
+1. render the conversation (``text``);
+2. render it again with a marker (one private-use character per message) after each message's
+   content. Deleting the markers must give ``text`` back exactly, so each marker is a position
+   in ``text``: the end of that message's content. (A template that escapes or inspects a user's
+   content changes with markers there; then only assistant contents are marked, and if that
+   still changes the text the turn cannot be located.)
+3. a turn starts where the model starts generating it: after the generation prompt the
+   template renders after the previous message (that message's closing plus the assistant
+   header, e.g. ``<|im_end|>\\n<|im_start|>assistant\\n``), matched right after that message's
+   marker. A header the history renders shorter than the generation prompt (DeepSeek-R1's
+   generation prompt ends with ``<think>\\n``, its history does not) is matched by its longest
+   prefix ending at a token or a line;
+4. a turn ends with its end-of-turn token: the first of the template's end-of-turn tokens
+   after the turn's content (and tool calls): its declared ``stop_tokens``, the tokenizer's EOS,
+   and those three probe renderings show (so ``native`` and a ``jinja`` file need none declared).
+
+docs/data.md explains the method and its limits.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ftcore.errors import FtcoreError
+
+FIRST_MARK = 0xF0000  # Unicode plane 15, private use: never produced by a tokenizer or a template
+LAST_MARK = 0xFFFFD
+MARKS = re.compile("[\U000F0000-\U000FFFFD]")
+# Markup that looks like one special token, for templates whose tokens the tokenizer lacks.
+MARKUP = r"<\|[^<>|\s]+\|?>|<[^<>|\s]+\|>|<｜[^<>｜]+｜>|</s>|<eos>|<end_of_turn>|\[/?[A-Z_]+\]"
+
+
+class SpanError(FtcoreError):
+    """An assistant turn that cannot be located in the template's rendering."""
+
+
+class SpanLocator:
+    """Finds assistant turns for one template and tokenizer; remembers what it learns across rows."""
+
+    def __init__(self, template: Any, tokenizer: Any):
+        self.template, self.tokenizer = template, tokenizer
+        self.name = getattr(template, "name", type(template).__name__)
+        specials = [str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])]
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        # Added tokens marked special; Qwen's <tool_call> is added but not special, and closes no turn.
+        specials += [str(t.content) for t in added.values() if getattr(t, "special", False)]
+        specials = sorted({t for t in specials if t and not t.isspace()}, key=len, reverse=True)
+        self.token = re.compile("|".join([*(re.escape(t) for t in specials), MARKUP]))
+        self._ends: dict[bool, list[str]] = {}
+        self._headers: dict[tuple[str, bool], str] = {}  # previous role -> generation prompt tail seen
+
+    # -- rendering -----------------------------------------------------------------------------
+
+    def render(self, messages: list[dict], tools: list | None, generation: bool = False) -> str:
+        if tools:
+            try:
+                return self.template.render(messages, self.tokenizer, add_generation_prompt=generation, tools=tools)
+            except TypeError as exc:
+                if "tools" not in str(exc):
+                    raise
+                raise FtcoreError(f"template '{self.name}' does not take tool schemas (this row has 'tools'); "
+                                  "use a template that renders tools, e.g. \"native\" or a \"jinja\" file") from None
+        return self.template.render(messages, self.tokenizer, add_generation_prompt=generation)
+
+    # -- the method ------------------------------------------------------------------------------
+
+    def locate(self, messages: list[dict], tools: list | None = None,
+               turns: set[int] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """``(text, spans)``: the conversation as the template renders it and, for each assistant
+        message (or each index in ``turns``), the characters the model generates for it, from
+        after its header to the end of its end-of-turn token."""
+        text = self.render(messages, tools)
+        if MARKS.search(text):
+            raise SpanError("the conversation holds Unicode private-use characters of plane 15 "
+                            "(U+F0000 to U+FFFFD), which mark turns while locating them; remove them")
+        assistants = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        wanted = [i for i in assistants if turns is None or i in turns]
+        if not wanted:
+            return text, []
+        marked_ids, positions = None, {}
+        for ids in (range(len(messages)), assistants):
+            marked = self.render(_marked(messages, ids), tools)
+            if MARKS.sub("", marked) == text:
+                marked_ids, positions = set(ids), _positions(marked)
+                break
+        if marked_ids is None:
+            raise SpanError("the template renders a message differently when its text changes (it escapes or "
+                            "tests the content), so turns cannot be located by marking them")
+        spans, bound = [], 0
+        for i in wanted:
+            content_end = positions.get(i)
+            start = self._start(messages, tools, i, text, positions, marked_ids, bound, content_end)
+            end = self._end(messages, tools, i, text, positions, start, content_end)
+            spans.append((start, end))
+            bound = end
+        return text, spans
+
+    def _start(self, messages, tools, i, text, positions, marked_ids, bound, content_end) -> int:
+        limit = content_end if content_end is not None else len(text)
+        prev = i - 1
+        anchor = positions.get(prev)
+        role = messages[prev].get("role", "") if prev >= 0 else ""
+        if anchor is not None and anchor >= bound:
+            seen = self._headers.get((role, bool(tools)))
+            if seen is not None and text.startswith(seen, anchor) and anchor + len(seen) <= limit:
+                return anchor + len(seen)
+            prompt = self.render(_marked(messages[:i], marked_ids), tools, generation=True)
+            mark = prompt.rfind(chr(FIRST_MARK + prev))
+            header = MARKS.sub("", prompt[mark + 1:]) if mark >= 0 else None
+            if header and text.startswith(header, anchor) and anchor + len(header) <= limit:
+                self._headers[(role, bool(tools))] = header
+                return anchor + len(header)
+        # The previous message renders differently when it is the last one (a template that closes
+        # the last tool result differently), or there is no marker before this turn: the text the
+        # generation prompt adds, searched from the end of the previous turn. A history that renders
+        # the header shorter than the generation prompt (DeepSeek-R1's ends with "<think>\n") is
+        # matched by its longest prefix that ends at a token or a line. The search is confined to the
+        # text between the previous message and this turn's content.
+        prefix = messages[:i]
+        with_prompt = self.render(prefix, tools, generation=True) if prefix else self._empty_prompt(tools)
+        without = self.render(prefix, tools) if prefix else ""
+        generation = with_prompt[_common_prefix(with_prompt, without):]
+        since = max(bound, anchor if anchor is not None else 0)
+        for candidate in self._prefixes(generation):
+            found = text.find(candidate, since, limit)
+            if found >= 0:
+                return found + len(candidate)
+        raise SpanError(f"assistant turn {i} (message {i}): its header, the template's generation prompt "
+                        f"{generation!r}, is not in the rendered conversation")
+
+    def _empty_prompt(self, tools) -> str:
+        try:
+            return self.render([], tools, generation=True)
+        except Exception:
+            raise SpanError("the conversation starts with an assistant turn, and the template cannot render a "
+                            "generation prompt for an empty conversation to locate it") from None
+
+    def _end(self, messages, tools, i, text, positions, start, content_end) -> int:
+        after = max(start, content_end if content_end is not None else start)
+        later = [p for j, p in positions.items() if j > i and p >= after]
+        limit = min(later) if later else len(text)
+        best = None
+        for token in self.end_tokens(bool(tools)):
+            found = text.find(token, after, limit)
+            if found >= 0 and (best is None or found < best[0]):
+                best = (found, found + len(token))
+        if best is not None:
+            return best[1]
+        following = self.token.search(text, after, limit)
+        if following is not None and later:
+            # No declared end, but the turn is followed by another message: the markup that
+            # starts it ends this turn (GLM's <|observation|> after a tool call).
+            return following.end()
+        if not text[after:limit].strip():
+            return after  # a template that closes turns with nothing (GLM's last turn)
+        raise SpanError(f"assistant turn {i} (message {i}): no end-of-turn token "
+                        f"({', '.join(map(repr, self.end_tokens(bool(tools)))) or 'none known'}) follows it; "
+                        "declare the template's end-of-turn token with [template] stop_tokens")
+
+    def _prefixes(self, header: str) -> list[str]:
+        """``header``, then its prefixes that end at a token, a line or a closing bracket, longest
+        first; never empty or only whitespace."""
+        cuts = {len(header)}
+        cuts.update(m.end() for m in self.token.finditer(header))
+        cuts.update(k + 1 for k, c in enumerate(header) if c in "\n>]")
+        out = [header[:k] for k in sorted(cuts, reverse=True) if header[:k].strip()]
+        return out or ([header] if header else [])
+
+    # -- end-of-turn tokens ----------------------------------------------------------------------
+
+    def end_tokens(self, tools: bool = False) -> list[str]:
+        """The tokens that can close an assistant turn: the template's declared stop tokens, those its
+        rendering shows (gpt-oss closes history turns with <|end|> but stops generating at <|return|>)
+        and the tokenizer's EOS."""
+        if tools in self._ends:
+            return self._ends[tools]
+        declared = [str(t) for t in getattr(self.template, "stop_tokens", ()) or ()]
+        eos = getattr(self.tokenizer, "eos_token", None)
+        ends = list(dict.fromkeys([*declared, *self._probe(), *([str(eos)] if eos else [])]))
+        self._ends[tools] = ends
+        return ends
+
+    def _probe(self) -> list[str]:
+        """End-of-turn tokens as the template renders them: the markup closing an assistant turn
+        that ends the conversation (its last token), one followed by a user turn (its first), and
+        a tool call that ends the conversation (its last token)."""
+        u, a, u2 = (chr(LAST_MARK - k) for k in range(3))
+        call = {"type": "function", "function": {"name": "ftcore_probe", "arguments": {"q": a}}}
+        tool = {"type": "function", "function": {"name": "ftcore_probe", "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        probes = (([{"role": "user", "content": u}, {"role": "assistant", "content": a}], None, True),
+                  ([{"role": "user", "content": u}, {"role": "assistant", "content": a},
+                    {"role": "user", "content": u2}], None, False),
+                  ([{"role": "user", "content": u}, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                   [tool], True))
+        found = []
+        for messages, tools, last in probes:
+            rendered = None
+            for schemas in (tools, [tool]):  # a tool-use template may need a tools list even to render a chat
+                try:
+                    rendered = self.render(messages, schemas)
+                    break
+                except Exception:
+                    continue
+            if rendered is None or a not in rendered:
+                continue
+            tail = rendered.split(a, 1)[-1].split(u2, 1)[0]
+            tokens = list(self.token.finditer(tail))
+            if tokens:
+                found.append((tokens[-1] if last else tokens[0]).group())
+        return list(dict.fromkeys(found))
+
+
+def _marked(messages: list[dict], ids: Any) -> list[dict]:
+    """``messages`` with a marker after each chosen message's content (before its trailing
+    whitespace, so a template that strips content strips the same)."""
+    ids = set(ids)
+    out = []
+    for j, m in enumerate(messages):
+        content = m.get("content")
+        if j in ids and isinstance(content, str) and content.strip():
+            core = content.rstrip()
+            m = {**m, "content": core + chr(FIRST_MARK + j) + content[len(core):]}
+        out.append(m)
+    return out
+
+
+def _positions(marked: str) -> dict[int, int]:
+    """message index -> where its marker stands in the unmarked text (the last one, if repeated)."""
+    out, removed = {}, 0
+    for match in MARKS.finditer(marked):
+        out[ord(match.group()) - FIRST_MARK] = match.start() - removed
+        removed += 1
+    return out
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k

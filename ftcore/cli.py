@@ -49,6 +49,9 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
     val = sub.add_parser("validate", parents=[common], help="check a plan and list every problem, loading nothing",
                          description="Check a plan against the installed plugins. Exits 2 if it has problems.")
     val.add_argument("plan", help="path to plan.toml")
+    val.add_argument("--data", action="store_true",
+                     help="also read, convert and render every row the stages use (loads the tokenizer, not the "
+                          "model); each bad row as FILE:LINE: message; exits 2 if a run would stop on one")
 
     plg = sub.add_parser("plugins", parents=[common], help="list installed components and commands by kind",
                          description="List every installed component, by kind, and every command, with the "
@@ -204,6 +207,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
     stages = " -> ".join(f"{s.name} ({s.trainer.name}, {s.adapter.name})" for s in plan.stages) or "no stages"
     print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
           f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
+    if getattr(args, "data", False):
+        from ftcore_plugins.data._check import check_plan_data  # the data side, imported only here
+
+        return check_plan_data(plan)
     return 0
 
 

@@ -279,3 +279,51 @@ def test_cli_prints_the_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
         "error: data.train: data/x.jsonl:2: invalid JSON: Expecting ',' delimiter (column 21)"]
+
+
+# -- conversations that convert but would train wrongly -------------------------------------------------
+
+def chat_row(*turns) -> dict:
+    return {"messages": [t if isinstance(t, dict) else {"role": t[0], "content": t[1]} for t in turns]}
+
+
+@pytest.mark.parametrize("row, message", [
+    (chat_row(("user", "Hi"), ("assistant", "")),
+     "'messages[1]' is an assistant turn with empty content (and no tool_calls): it would train on the end-of-turn "
+     "token alone"),
+    (chat_row(("assistant", "a"), ("assistant", "b"), ("user", "c")),
+     "'messages[1]' is a second assistant turn in a row; merge them into one message"),
+    (chat_row(("user", "Hi"), {"role": "assistant", "content": [{"type": "text", "value": "Hello"}]}),
+     "'messages[1].content[0]' has 'value'; text parts need 'text'"),
+    (chat_row(("user", "Hi"), {"role": "assistant", "content": "Hello", "thinking": "a", "reasoning": "b"}),
+     "'messages[1]' has both 'thinking' and 'reasoning', and they differ; give the reasoning once"),
+])
+def test_conversation_problems_name_file_line_and_message(tmp_path, row, message):
+    path = write(tmp_path, "c.jsonl", lines(CHAT, row, CHAT))
+    assert error(tmp_path, source("json", path)) == f"data.train: data/c.jsonl:2: {message}"
+
+
+def test_placeholders_warn_once_with_the_count_and_the_first_place(tmp_path):
+    filled = chat_row(("user", "Write to {{name}}"), ("assistant", "Dear {{ name }},"))
+    path = write(tmp_path, "p.jsonl", lines(CHAT, CHAT, filled, CHAT, filled))
+    got = load_data(tmp_path, source("json", path))
+    assert len(got.ds) == 5 and got.stats["placeholder_rows"] == 2
+    assert [line for line in got.output.splitlines() if line.startswith("warning:")] == [
+        "warning: data.train: 2 row(s) hold unfilled template placeholders, trained as they are (first: "
+        "data/p.jsonl:3: 'messages[0].content' holds '{{name}}'); set placeholders = \"error\" to reject them or "
+        "\"allow\" to silence this"]
+    assert "placeholder" not in load_data(tmp_path, source("json", path, 'placeholders = "allow"\n')).output
+    assert error(tmp_path, source("json", path, 'placeholders = "error"\n')) == (
+        "data.train: data/p.jsonl:3: 'messages[0].content' holds the template placeholder '{{name}}', never filled "
+        "in (set placeholders = \"allow\" in the source to train it as it is)")
+    got = load_data(tmp_path, source("json", path, 'placeholders = "error"\non_error = "skip"\n'))
+    assert len(got.ds) == 3 and got.stats["skipped"] == {"placeholder": 2}
+
+
+def test_reasoning_is_kept_and_its_key_pruned_when_no_row_has_it(tmp_path):
+    thinking = chat_row(("user", "2+2?"), {"role": "assistant", "content": "4", "thinking": "two twos"})
+    got = load_data(tmp_path, source("json", write(tmp_path, "r.jsonl", lines(thinking, CHAT))))
+    assert got.ds[0]["messages"][1] == {"role": "assistant", "content": "4", "reasoning_content": "two twos"}
+    assert got.ds[1]["messages"][1]["reasoning_content"] is None
+    got = load_data(tmp_path, source("json", write(tmp_path, "n.jsonl", lines(CHAT, CHAT))))
+    assert got.ds.to_list() == [CHAT, CHAT]  # plain conversations stay {"role", "content"}

@@ -89,3 +89,16 @@ def test_cli_startup_table():
     assert "import torch, transformers, trl, peft" in names[3] and rows[3][3] == "1.00"
     for r in rows:
         assert float(r[3]) == pytest.approx(float(r[1]) / float(rows[3][1]), abs=0.02)
+
+
+def test_validate_data_tiny_mode():
+    out = bench("validate_data.py", "--tiny")
+    # The one bad row, in the middle of the file, is found and placed; the run would skip it.
+    assert "data.chat: chat.jsonl:51: 'messages[1]' is an assistant turn with empty content" in out
+    assert "data: 100 rows read from 1 file(s) in 1 source(s); 1 bad (empty answer: 1); a run skips them all" in out
+    times = [float(line.split(":")[1].split()[0]) for line in out.splitlines()
+             if line.startswith(("tokenize (", "validate --data ("))]
+    ratio = float(out.split("ratio validate/tokenize: ")[1].split()[0])
+    assert len(times) == 2 and min(times) > 0
+    rounding = 0.0005 * (1 + ratio) / times[0] + 0.005  # the times are printed to the millisecond
+    assert ratio == pytest.approx(times[1] / times[0], abs=rounding)

@@ -122,8 +122,9 @@ def test_sharegpt_function_call_after_assistant_text_joins_that_turn_and_tool_ro
 
 
 def test_sharegpt_empty_tools_are_none_and_bad_function_call_is_an_error():
-    assert chat({"conversations": [{"from": "human", "value": "q"}], "tools": ""})[1] is None
-    assert chat({"conversations": [{"from": "human", "value": "q"}], "tools": "[]"})[1] is None
+    turns = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    assert chat({"conversations": turns, "tools": ""})[1] is None
+    assert chat({"conversations": turns, "tools": "[]"})[1] is None
     with pytest.raises(RowError, match=r"'conversations\[1\]\.value' of a function_call turn must be JSON"):
         convert({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "get()"}]})
 
@@ -151,7 +152,7 @@ def test_messages_keep_tool_calls_and_tool_names_and_drop_other_keys():
 
 def test_messages_content_parts_are_joined_and_wrong_types_named():
     parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
-    assert chat({"messages": [{"role": "user", "content": parts}]})[0] == [u("Hello there")]
+    assert chat({"messages": [{"role": "user", "content": parts}, a("hi")]})[0] == [u("Hello there"), a("hi")]
     with pytest.raises(RowError, match="field 'messages' must be a list of messages, got a string"):
         convert({"messages": "hello"})
     with pytest.raises(RowError, match=r"'messages\[0\]\.content' must be a string"):
@@ -214,7 +215,8 @@ def test_implicit_preference_splits_the_longest_common_prefix():
 
 def test_implicit_preference_answer_may_include_tool_turns_but_no_user_turn():
     shared = [u("q")]
-    row = {"chosen": [*shared, a("calling"), {"role": "tool", "content": "r"}, a("done")],
+    calling = {**a("calling"), "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
+    row = {"chosen": [*shared, calling, {"role": "tool", "content": "r"}, a("done")],
            "rejected": [*shared, a("no")]}
     out = convert(row)[2]
     assert out["prompt"] == shared and len(out["chosen"]) == 3
@@ -303,8 +305,9 @@ def test_convert_batch_never_raises_and_marks_bad_rows_in_order():
     out = F.convert_batch(batch, "auto", "chat")
     assert list(out) == ["messages", "tools", F.ERROR_COLUMN, F.FORMAT_COLUMN]
     assert out[F.FORMAT_COLUMN] == ["alpaca", None, None, "alpaca"]
-    assert out["messages"][0] == [{"role": "user", "content": "a", "tool_calls": None, "name": None},
-                                  {"role": "assistant", "content": "1", "tool_calls": None, "name": None}]
+    empty = {"tool_calls": None, "name": None, "reasoning_content": None}
+    assert out["messages"][0] == [{"role": "user", "content": "a", **empty},
+                                  {"role": "assistant", "content": "1", **empty}]
     assert out["messages"][1] is None and out[F.ERROR_COLUMN][0] is None
     # row 1 is a text row among chat rows, row 2 lacks `output`
     errors = [RowError.decode(e) if e else None for e in out[F.ERROR_COLUMN]]
@@ -315,3 +318,113 @@ def test_conversion_is_deterministic():
     rows = [{"conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}
             for i in range(50)]
     assert F.convert_rows(rows, "auto", "chat") == F.convert_rows(rows, "auto", "chat")
+
+
+# -- conversation rules (docs/data.md, "Conversation rules") ------------------------------------------
+
+def error_of(row, **kw):
+    with pytest.raises(RowError) as info:
+        convert(row, **kw)
+    return str(info.value), info.value.reason, info.value.field
+
+
+def test_an_empty_assistant_turn_is_an_error():
+    assert error_of({"messages": [u("q"), a("  ")]}) == (
+        "'messages[1]' is an assistant turn with empty content (and no tool_calls): it would train on the "
+        "end-of-turn token alone", "empty_answer", "messages")
+    assert error_of({"instruction": "q", "output": ""})[0].startswith(
+        "the 'output' field is an assistant turn with empty content")
+    # A turn that calls a tool (or reasons) has something to train on.
+    calls = [{"type": "function", "function": {"name": "f", "arguments": {}}}]
+    convert({"messages": [u("q"), {"role": "assistant", "content": "", "tool_calls": calls},
+                          {"role": "tool", "content": "r"}, a("done")]})
+
+
+@pytest.mark.parametrize("roles, message", [
+    (("assistant", "assistant", "user"),
+     "'messages[1]' is a second assistant turn in a row; merge them into one message"),
+    (("user", "user", "assistant"), "'messages[1]' is a second user turn in a row; merge them into one message"),
+    (("user", "system", "assistant"),
+     "'messages[1]' is a system turn after a user turn; the system message may only come first (once)"),
+    (("user", "tool", "assistant"),
+     "'messages[1]' is a tool result after a user turn without tool_calls; tool results follow the assistant "
+     "turn that calls the tool"),
+])
+def test_roles_out_of_order_name_the_message(roles, message):
+    row = {"messages": [{"role": r, "content": "x"} for r in roles]}
+    assert error_of(row)[:2] == (message, "role_order")
+
+
+def test_a_chat_row_without_an_answer_is_a_prompt():
+    assert convert({"messages": [s("S"), u("q")]})[1:] == ("chat", {"messages": [s("S"), u("q")], "tools": None})
+
+
+def test_the_system_field_counts_as_the_first_message():
+    assert error_of({"system": "S", "messages": [s("again"), u("q"), a("x")]})[0] == \
+        "'messages[0]' is a system turn after a system turn; the system message may only come first (once)"
+    assert error_of({"system": "S", "conversations": [{"from": "gpt", "value": "x"}, {"from": "gpt", "value": "y"}]}
+                    )[0] == "'conversations[1]' is a second assistant turn in a row; merge them into one message"
+
+
+def test_prompts_need_no_answer_but_keep_the_order():
+    out = convert({"prompt": [s("S"), u("q")], "chosen": "yes", "rejected": "no"})[2]
+    assert out["prompt"] == [s("S"), u("q")]
+    assert error_of({"prompt": [u("q"), u("again")], "chosen": "yes", "rejected": "no"})[0] == \
+        "'prompt[1]' is a second user turn in a row; merge them into one message"
+    assert error_of({"prompt": [u("q")], "chosen": "yes", "rejected": " "})[0].startswith(
+        "the 'rejected' field is an assistant turn with empty content")
+
+
+def test_content_parts_with_value_instead_of_text_say_so():
+    row = {"messages": [u("q"), {"role": "assistant", "content": [{"type": "text", "value": "hi"}]}]}
+    assert error_of(row) == ("'messages[1].content[0]' has 'value'; text parts need 'text'", "missing_field",
+                             "messages")
+    row["messages"][1]["content"] = [{"type": "image_url", "image_url": {"url": "x"}}]
+    assert error_of(row)[0] == "'messages[1].content[0]' is a 'image_url' part; only text parts " \
+        "{\"type\": \"text\", \"text\": ...} are supported"
+
+
+def test_placeholders_are_found_in_any_message_text():
+    row = {"messages": [u("Write to {{ name }} about {{topic}}"), a("ok")]}
+    assert convert(row)[2]["messages"][0]["content"].startswith("Write to {{ name }}")  # allowed by default
+    assert error_of(row, placeholders="error") == (
+        "'messages[0].content' holds the template placeholder '{{ name }}', never filled in (set placeholders = "
+        "\"allow\" in the source to train it as it is)", "placeholder", "messages")
+    assert F.convert_found(row, placeholders="warn")[3] == "'messages[0].content' holds '{{ name }}'"
+    alpaca = {"instruction": "Greet {{user.name}}", "output": "Hi"}
+    assert error_of(alpaca, placeholders="error")[0].startswith("'instruction' holds the template placeholder")
+    for text in ("a {{ x + 1 }} b", "{{}}", "{ {name} }", "f'{{'"):  # not an unfilled slot
+        assert F.convert_found({"messages": [u(text), a("ok")]}, placeholders="warn")[3] is None
+    assert F.convert_found({"text": "{{name}}"}, placeholders="error")[1] == "text"  # text rows: not messages
+
+
+# -- reasoning ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key", F.REASONING_KEYS)
+def test_reasoning_under_any_name_becomes_reasoning_content(key):
+    row = {"messages": [u("2+2?"), {"role": "assistant", "content": "4", key: "2 and 2 make 4"}]}
+    assert chat(row)[0][1] == {"role": "assistant", "content": "4", "reasoning_content": "2 and 2 make 4"}
+    sharegpt = {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4", key: "sum"}]}
+    assert chat(sharegpt)[0][1]["reasoning_content"] == "sum"
+
+
+def test_reasoning_conflicts_and_wrong_roles_are_errors():
+    same = {"role": "assistant", "content": "4", "thinking": "r", "reasoning_content": "r"}
+    assert chat({"messages": [u("q"), same]})[0][1]["reasoning_content"] == "r"
+    differ = {**same, "thinking": "other"}
+    assert error_of({"messages": [u("q"), differ]}) == (
+        "'messages[1]' has both 'reasoning_content' and 'thinking', and they differ; give the reasoning once",
+        "conflicting_fields", "messages")
+    assert error_of({"messages": [{**u("q"), "reasoning": "why"}, a("x")]})[0] == \
+        "'messages[0]' is a user turn with 'reasoning'; only assistant turns carry reasoning"
+    assert error_of({"messages": [u("q"), {**a("x"), "thinking": 3}]})[0] == \
+        "field 'messages[1].thinking' must be a string, got a number"
+    # <think> in content stays there: the template decides what to do with it.
+    assert chat({"messages": [u("q"), a("<think>hm</think>4")]})[0][1] == a("<think>hm</think>4")
+
+
+def test_reasoning_is_a_column_of_the_batch_and_of_the_features():
+    rows = [{"messages": [u("q"), {"role": "assistant", "content": "4", "thinking": "r"}]}]
+    out = F.convert_rows(rows, "auto", "chat")
+    assert out["messages"][0][1]["reasoning_content"] == "r" and out["messages"][0][0]["reasoning_content"] is None
+    assert "reasoning_content" in F.features("chat")["messages"].feature

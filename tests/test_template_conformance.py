@@ -171,6 +171,12 @@ def check(name: str, kind: str, conversation: str, tokenizer) -> str:
             render_with_spans(template, messages, tok, tools)
         assert "\n" not in str(refused.value)
         return f"refused by the template: {str(exc).splitlines()[0][:60]}"
+    if any(m.get("tool_calls") for m in messages) and "tool_calls" not in source:
+        # The template renders no tool calls (Phi-3.5, granite): the call would vanish from training.
+        template, tok = template_for(kind, path, tokenizer)
+        with pytest.raises(FtcoreError, match="does not render tool calls"):
+            render_with_spans(template, messages, tok, tools)
+        return "refused: the template takes no `tool_calls`"
     template, tok = template_for(kind, path, tokenizer)
     text, spans = render_with_spans(template, messages, tok, tools)
     assert text == official

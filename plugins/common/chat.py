@@ -65,11 +65,15 @@ def prompt_text(row: dict, tokenizer: Any, template: Any) -> str:
 
 
 def row_tools(row: dict) -> list | None:
-    """A chat row's tool schemas (stored as JSON text), or None."""
+    """A chat row's tool schemas (stored as JSON text) as templates expect them, OpenAI style
+    (``{"type": "function", "function": schema}``; glaive and others store the bare schema), or None."""
     tools = row.get("tools")
     if isinstance(tools, str):
         tools = json.loads(tools) if tools.strip() else None
-    return tools or None
+    if isinstance(tools, dict):
+        tools = [tools]
+    return [{"type": "function", "function": t} if isinstance(t, dict) and "function" not in t and "name" in t
+            else t for t in tools] if tools else None
 
 
 def render_with_spans(template: Any, messages: list[dict], tokenizer: Any, tools: list | None = None,
@@ -212,9 +216,9 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
                    'on_error = "skip" in the data source' if isinstance(exc, SpanError) else
                    '; or set on_error = "skip" in the data source to skip such rows')
             message = str(exc)
-            prefix = f"template '{template_name}': "
-            message = message[len(prefix):] if message.startswith(prefix) else message
-            raise FtcoreError(f"{where}, row {index + 1}: template '{template_name}': {message}{fix} "
+            named = f"template '{template_name}'"
+            message = message if message.startswith(named) else f"{named}: {message}"
+            raise FtcoreError(f"{where}, row {index + 1}: {message}{fix} "
                               "(`ftcore validate --data PLAN` lists every such row with its file and line)") from None
     out: dict[str, list] = {"input_ids": [], "labels": []}
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when there is one

@@ -27,6 +27,7 @@ format                 fields                                          kind
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -51,7 +52,9 @@ KIND_COLUMNS = {
 }
 INTERNAL_COLUMNS = ("messages", "tools", "prompt", "completion", "chosen", "rejected", "label", "text")
 MESSAGE_COLUMNS = ("messages", "prompt", "chosen", "rejected", "completion")  # when they hold message lists
-MESSAGE_KEYS = ("role", "content", "tool_calls", "name")
+MESSAGE_KEYS = ("role", "content", "tool_calls", "name", "reasoning_content")
+# Names reasoning arrives under: transformers' templates read `reasoning_content`, gpt-oss's `thinking`.
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 # Our field names: what `columns = { <ours> = "<theirs>" }` may map.
 FIELDS = ("instruction", "input", "output", "system", "history", "conversations", "tools", "messages", "prompt",
@@ -59,6 +62,10 @@ FIELDS = ("instruction", "input", "output", "system", "history", "conversations"
 
 ERROR_COLUMN = "__error"
 FORMAT_COLUMN = "__format"
+PLACEHOLDER_COLUMN = "__placeholder"  # with placeholders = "warn": the first placeholder a row holds
+PLACEHOLDERS = ("warn", "error", "allow")
+# An unfilled Jinja/mustache-like slot: "{{name}}", "{{ user.name }}"; not "{{ a + b }}" or "{{}}".
+PLACEHOLDER = re.compile(r"\{\{\s*[A-Za-z_][\w.]*\s*\}\}")
 # Rows that are skipped and counted even with on_error = "error": they are valid, but teach nothing.
 ALWAYS_SKIP = ("identical_chosen_rejected", "empty_text")
 _SEP = "\x1f"
@@ -105,10 +112,25 @@ def _kind_of_value(value: Any) -> str:
 class _Ctx:
     """What the helpers need to write good messages: the row and the column mapping."""
 
-    __slots__ = ("row", "columns", "fmt", "explicit")
+    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder")
 
-    def __init__(self, row: Mapping, columns: Mapping[str, str], fmt: str, explicit: bool):
+    def __init__(self, row: Mapping, columns: Mapping[str, str], fmt: str, explicit: bool,
+                 placeholders: str = "allow"):
         self.row, self.columns, self.fmt, self.explicit = row, columns, fmt, explicit
+        self.placeholders = placeholders
+        self.placeholder: tuple[str, str] | None = None  # (field, placeholder): the first one seen
+
+    def text(self, value: str, field: str) -> str:
+        """Message text, looked at for unfilled template placeholders (``placeholders`` option)."""
+        if self.placeholders != "allow" and self.placeholder is None and "{{" in value:
+            found = PLACEHOLDER.search(value)
+            if found is not None:
+                if self.placeholders == "error":
+                    raise RowError(f"{field!r} holds the template placeholder {found.group()!r}, never filled in "
+                                   "(set placeholders = \"allow\" in the source to train it as it is)", "placeholder",
+                                   field.split("[", 1)[0].split(".", 1)[0])
+                self.placeholder = (field, found.group())
+        return value
 
     def missing(self, field: str) -> RowError:
         if field in self.row and field not in self.columns:
@@ -135,6 +157,11 @@ class _Ctx:
             raise self.wrong_type(field, "a string", value)
         return value
 
+    def message_text(self, field: str, required: bool = True) -> str | None:
+        """A string field that becomes a message's content (alpaca's, ``system``)."""
+        value = self.string(field, required)
+        return value if value is None else self.text(value, field)
+
 
 def _json_text(value: Any, field: str, ctx: _Ctx) -> str | None:
     """Tool definitions and tool calls are stored as JSON strings; empty ones as None."""
@@ -156,16 +183,61 @@ def _json_text(value: Any, field: str, ctx: _Ctx) -> str | None:
 
 def _content(value: Any, where: str, ctx: _Ctx, allow_empty: bool) -> str:
     if isinstance(value, str):
-        return value
+        return ctx.text(value, f"{where}.content")
     if value is None:
         if allow_empty:
             return ""
         raise RowError(f"missing field '{where}.content' (message fields: "
                        f"{_fields(_get_message(ctx, where))})", "missing_field", where.split("[", 1)[0])
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)  # OpenAI content parts, text only
+    if isinstance(value, list):  # OpenAI content parts, text only
+        return ctx.text("".join(_text_part(p, f"{where}.content[{j}]", ctx) for j, p in enumerate(value)),
+                        f"{where}.content")
     raise ctx.wrong_type(f"{where}.content", "a string (or a list of text parts)", value)
+
+
+def _text_part(part: Any, where: str, ctx: _Ctx) -> str:
+    """One OpenAI content part, ``{"type": "text", "text": ...}``; the message says what is off."""
+    field = where.split("[", 1)[0]
+    if not isinstance(part, Mapping):
+        raise ctx.wrong_type(where, 'a text part {"type": "text", "text": ...}', part)
+    if part.get("type") != "text":
+        kind = part.get("type")
+        raise RowError(f"{where!r} is {'an untyped' if kind is None else f'a {kind!r}'} part; only text parts "
+                       "{\"type\": \"text\", \"text\": ...} are supported", "wrong_type", field)
+    text = part.get("text")
+    if isinstance(text, str):
+        return text
+    if text is None:
+        # Not an alias: `value` belongs to ShareGPT turns, and guessing here would hide a mixed-up file.
+        other = next((k for k in ("value", "content") if isinstance(part.get(k), str)), None)
+        if other is not None:
+            raise RowError(f"{where!r} has {other!r}; text parts need 'text'", "missing_field", field)
+        raise RowError(f"missing field '{where}.text' (part fields: {_fields(part)})", "missing_field", field)
+    raise ctx.wrong_type(f"{where}.text", "a string", text)
+
+
+def _reasoning(m: Mapping, where: str, role: str, ctx: _Ctx) -> str | None:
+    """The reasoning of a message, under any of :data:`REASONING_KEYS`; empty counts as none."""
+    given = {}
+    for key in REASONING_KEYS:
+        value = m.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ctx.wrong_type(f"{where}.{key}", "a string", value)
+        if value.strip():
+            given[key] = value
+    if not given:
+        return None
+    (first, text), *rest = given.items()
+    for key, other in rest:
+        if other != text:
+            raise RowError(f"'{where}' has both {first!r} and {key!r}, and they differ; give the reasoning once",
+                           "conflicting_fields", where.split("[", 1)[0])
+    if role != "assistant":
+        raise RowError(f"'{where}' is a {role} turn with {first!r}; only assistant turns carry reasoning",
+                       "wrong_type", where.split("[", 1)[0])
+    return text
 
 
 def _get_message(ctx: _Ctx, where: str) -> Mapping:
@@ -194,8 +266,11 @@ def _tool_calls(value: str, where: str) -> list[dict]:
     return out
 
 
-def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True) -> list[dict]:
-    """A list of messages, each ``{role, content}`` (OpenAI) or ``{from, value}`` (ShareGPT)."""
+def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True,
+              wheres: list[str] | None = None) -> list[dict]:
+    """A list of messages, each ``{role, content}`` (OpenAI) or ``{from, value}`` (ShareGPT).
+    ``wheres`` receives each result's place in the row (``messages[2]``), for :func:`_check_turns`."""
+    wheres = [] if wheres is None else wheres
     if value is None:
         raise ctx.missing(field)
     if not isinstance(value, (list, tuple)):
@@ -222,19 +297,26 @@ def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True) -> li
                                    "missing_field", field)
                 raise ctx.wrong_type(f"{where}.value", "a string", text)
             role = SHAREGPT_ROLES[tag]
+            reasoning = _reasoning(m, where, role, ctx)  # not ShareGPT's own, but distilled sets add it
             if tag == "function_call":
                 calls = _tool_calls(text, where)
                 pending_names = [c["function"]["name"] for c in calls]
                 encoded = json.dumps(calls, ensure_ascii=False)
-                if out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1]:
+                if out and out[-1]["role"] == "assistant" and "tool_calls" not in out[-1] and reasoning is None:
                     out[-1]["tool_calls"] = encoded  # "I'll look that up" + the call: one turn
                 else:
                     out.append({"role": "assistant", "content": "", "tool_calls": encoded})
+                    if reasoning is not None:
+                        out[-1]["reasoning_content"] = reasoning
+                    wheres.append(where)
                 continue
-            message = {"role": role, "content": text}
+            message = {"role": role, "content": ctx.text(text, f"{where}.value")}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if role == "tool" and pending_names:
                 message["name"] = pending_names.pop(0)
             out.append(message)
+            wheres.append(where)
             continue
         role = m.get("role")
         if role is None:
@@ -247,9 +329,13 @@ def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True) -> li
         if calls is not None and role != "assistant":
             raise RowError(f"'{where}' has tool_calls but is a {role} turn; only assistant turns call tools",
                            "wrong_type", field)
-        message = {"role": role, "content": _content(m.get("content"), where, ctx, allow_empty=calls is not None)}
+        reasoning = _reasoning(m, where, role, ctx)
+        message = {"role": role, "content": _content(m.get("content"), where, ctx,
+                                                     allow_empty=calls is not None or reasoning is not None)}
         if calls is not None:
             message["tool_calls"] = calls
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         if role == "tool":
             name = m.get("name")
             if name is not None:
@@ -261,7 +347,40 @@ def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True) -> li
         if calls is not None:
             pending_names = _call_names(calls)
         out.append(message)
+        wheres.append(where)
     return out
+
+
+def _check_turns(messages: list[dict], wheres: list[str], *, answer: str | None = None) -> None:
+    """The order rules of a conversation (docs/data.md): system only first; a tool result only
+    after an assistant turn that calls tools (or another result); no two user turns, nor two
+    assistant turns unless the first calls tools; no empty assistant turn; with ``answer`` (the
+    conversation's field), at least one assistant turn. ``wheres`` names each message's place."""
+    prev: dict | None = None
+    for m, where in zip(messages, wheres):
+        role, field = m["role"], where.split("[", 1)[0]
+        what = f"{where!r}" if "[" in where else f"the {where!r} field"
+        if role == "system" and prev is not None:
+            raise RowError(f"{what} is a system turn after a {prev['role']} turn; the system message may only "
+                           "come first (once)", "role_order", field)
+        if role == "tool" and not (prev is not None and (prev["role"] == "tool" or prev.get("tool_calls"))):
+            after = f"a {prev['role']} turn without tool_calls" if prev is not None else "nothing"
+            raise RowError(f"{what} is a tool result after {after}; tool results follow the assistant turn that "
+                           "calls the tool", "role_order", field)
+        if prev is not None and role == prev["role"] and role == "user":
+            raise RowError(f"{what} is a second user turn in a row; merge them into one message", "role_order",
+                           field)
+        if prev is not None and role == prev["role"] == "assistant" and not prev.get("tool_calls"):
+            raise RowError(f"{what} is a second assistant turn in a row; merge them into one message",
+                           "role_order", field)
+        if role == "assistant" and not m["content"].strip() and not m.get("tool_calls") \
+                and not m.get("reasoning_content"):
+            raise RowError(f"{what} is an assistant turn with empty content (and no tool_calls): it would train "
+                           "on the end-of-turn token alone", "empty_answer", field)
+        prev = m
+    if answer is not None and not any(m["role"] == "assistant" for m in messages):
+        raise RowError(f"{answer!r} has no assistant turn, so there is nothing to train on (roles: "
+                       f"{', '.join(m['role'] for m in messages)})", "no_answer", answer)
 
 
 def _call_names(calls: str) -> list[str]:
@@ -278,29 +397,48 @@ def _call_names(calls: str) -> list[str]:
         return []
 
 
-def _system(ctx: _Ctx) -> list[dict]:
-    system = ctx.string("system", required=False)
-    return [{"role": "system", "content": system}] if system else []
+def _system(ctx: _Ctx, wheres: list[str] | None = None) -> list[dict]:
+    system = ctx.message_text("system", required=False)
+    if not system:
+        return []
+    if wheres is not None:
+        wheres.append("system")
+    return [{"role": "system", "content": system}]
 
 
-def _answer(value: Any, field: str, ctx: _Ctx) -> list[dict]:
+def _answer(value: Any, field: str, ctx: _Ctx, wheres: list[str] | None = None) -> list[dict]:
     """A preference answer: a string (one assistant turn), one message, or a list of messages."""
+    wheres = [] if wheres is None else wheres
     if value is None:
         raise ctx.missing(field)
     if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
+        wheres.append(field)
+        return [{"role": "assistant", "content": ctx.text(value, field)}]
     if isinstance(value, Mapping):
-        return _messages([value], field, ctx)
-    return _messages(value, field, ctx)
+        return _messages([value], field, ctx, wheres=wheres)
+    return _messages(value, field, ctx, wheres=wheres)
 
 
-def _prompt(value: Any, field: str, ctx: _Ctx) -> list[dict]:
+def _prompt(value: Any, field: str, ctx: _Ctx, wheres: list[str] | None = None) -> list[dict]:
     """A prompt: a string (one user turn) or a list of messages."""
+    wheres = [] if wheres is None else wheres
     if value is None:
         raise ctx.missing(field)
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    return _messages(value, field, ctx)
+        wheres.append(field)
+        return [{"role": "user", "content": ctx.text(value, field)}]
+    return _messages(value, field, ctx, wheres=wheres)
+
+
+def _pair(ctx: _Ctx, prompt: list[dict], where: list[str]) -> tuple[list[dict], list[dict]]:
+    """``chosen`` and ``rejected`` after ``prompt``, each checked as the conversation it ends."""
+    answers = []
+    for field in ("chosen", "rejected"):
+        wheres: list[str] = []
+        answer = _answer(ctx.row.get(field), field, ctx, wheres)
+        _check_turns(prompt + answer, where + wheres)
+        answers.append(answer)
+    return answers[0], answers[1]
 
 
 def _label(ctx: _Ctx, strings: bool) -> bool:
@@ -353,10 +491,11 @@ def detect(row: Mapping) -> str:
 # -- conversions --------------------------------------------------------------------------------------
 
 def _alpaca(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
-    instruction = ctx.string("instruction")
-    output = ctx.string("output")
-    context = ctx.string("input", required=False)
-    messages = _system(ctx)
+    instruction = ctx.message_text("instruction")
+    output = ctx.message_text("output")
+    context = ctx.message_text("input", required=False)
+    wheres: list[str] = []
+    messages = _system(ctx, wheres)
     history = ctx.row.get("history")
     if history is not None:
         if not isinstance(history, (list, tuple)):
@@ -364,10 +503,13 @@ def _alpaca(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
         for i, pair in enumerate(history):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
                 raise ctx.wrong_type(f"history[{i}]", "a [user, assistant] pair of strings", pair)
-            messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+            messages += [{"role": "user", "content": ctx.text(pair[0], f"history[{i}][0]")},
+                         {"role": "assistant", "content": ctx.text(pair[1], f"history[{i}][1]")}]
+            wheres += [f"history[{i}][0]", f"history[{i}][1]"]
     # `input` is context for the instruction: after it, separated by a blank line.
     prompt = f"{instruction}\n\n{context}" if context else instruction
     messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+    _check_turns(messages, [*wheres, "instruction", "output"])
     return "chat", {"messages": messages, "tools": None}
 
 
@@ -375,13 +517,24 @@ def _tools(ctx: _Ctx) -> str | None:
     return _json_text(ctx.row.get("tools"), "tools", ctx)
 
 
+def _conversation(ctx: _Ctx, field: str, answer: bool) -> tuple[list[dict], list[str]]:
+    """The row's ``system`` and the messages of ``field``, checked in order."""
+    wheres: list[str] = []
+    messages = _system(ctx, wheres)
+    messages += _messages(ctx.row.get(field), field, ctx, wheres=wheres)
+    _check_turns(messages, wheres, answer=field if answer else None)
+    return messages, wheres
+
+
+# Chat rows need no assistant turn: a prompt-only conversation is what GRPO and the generation
+# evaluator take; sft drops it, counted as dropped_no_labels.
 def _sharegpt(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
-    messages = _system(ctx) + _messages(ctx.row.get("conversations"), "conversations", ctx)
+    messages, _ = _conversation(ctx, "conversations", answer=False)
     return "chat", {"messages": messages, "tools": _tools(ctx)}
 
 
 def _openai(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
-    messages = _system(ctx) + _messages(ctx.row.get("messages"), "messages", ctx)
+    messages, _ = _conversation(ctx, "messages", answer=False)
     return "chat", {"messages": messages, "tools": _tools(ctx)}
 
 
@@ -394,7 +547,10 @@ def _prompt_completion(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     if isinstance(prompt, str) and isinstance(completion, str):
         return "completion", {"prompt": prompt, "completion": completion}
     if isinstance(prompt, (list, tuple)) and isinstance(completion, (list, tuple)):
-        messages = _messages(prompt, "prompt", ctx) + _messages(completion, "completion", ctx)
+        wheres: list[str] = []
+        messages = _messages(prompt, "prompt", ctx, wheres=wheres) + \
+            _messages(completion, "completion", ctx, wheres=wheres)
+        _check_turns(messages, wheres, answer="completion")
         return "chat", {"messages": messages, "tools": _tools(ctx)}
     raise RowError(f"'prompt' is {_kind_of_value(prompt)} and 'completion' is {_kind_of_value(completion)}: "
                    "give both as strings (plain completion) or both as message lists (chat)", "wrong_type",
@@ -402,17 +558,17 @@ def _prompt_completion(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
 
 
 def _preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
-    prompt = _prompt(ctx.row.get("prompt"), "prompt", ctx)
-    chosen = _answer(ctx.row.get("chosen"), "chosen", ctx)
-    rejected = _answer(ctx.row.get("rejected"), "rejected", ctx)
+    wheres: list[str] = []
+    prompt = _system(ctx, wheres)
+    prompt += _prompt(ctx.row.get("prompt"), "prompt", ctx, wheres)
+    chosen, rejected = _pair(ctx, prompt, wheres)
     _distinct(chosen, rejected)
-    return "preference", {"prompt": _system(ctx) + prompt, "chosen": chosen, "rejected": rejected}
+    return "preference", {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
 def _sharegpt_preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
-    prompt = _system(ctx) + _messages(ctx.row.get("conversations"), "conversations", ctx)
-    chosen = _answer(ctx.row.get("chosen"), "chosen", ctx)
-    rejected = _answer(ctx.row.get("rejected"), "rejected", ctx)
+    prompt, wheres = _conversation(ctx, "conversations", answer=False)
+    chosen, rejected = _pair(ctx, prompt, wheres)
     _distinct(chosen, rejected)
     return "preference", {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
@@ -426,7 +582,12 @@ def _implicit_preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
             raise RowError(f"field {field!r} must be a whole conversation (a list of messages) when there is no "
                            f"'prompt', got {_kind_of_value(value)}; map the prompt with columns = "
                            "{ prompt = \"...\" }", "wrong_type", field)
-    chosen, rejected = _messages(raw_c, "chosen", ctx), _messages(raw_r, "rejected", ctx)
+    where_c: list[str] = []
+    where_r: list[str] = []
+    chosen = _messages(raw_c, "chosen", ctx, wheres=where_c)
+    rejected = _messages(raw_r, "rejected", ctx, wheres=where_r)
+    _check_turns(chosen, where_c)
+    _check_turns(rejected, where_r)
     _distinct(chosen, rejected)
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -450,15 +611,18 @@ def _kto(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     label = _label(ctx, strings)
     row = ctx.row
     if _present(row, "completion"):
-        prompt = _prompt(row.get("prompt"), "prompt", ctx)
-        completion = _answer(row.get("completion"), "completion", ctx)
-        return "unpaired_preference", {"prompt": _system(ctx) + prompt, "completion": completion, "label": label}
+        wheres: list[str] = []
+        prompt = _system(ctx, wheres)
+        prompt += _prompt(row.get("prompt"), "prompt", ctx, wheres)
+        completion = _answer(row.get("completion"), "completion", ctx, wheres)
+        _check_turns(prompt + completion, wheres)
+        return "unpaired_preference", {"prompt": prompt, "completion": completion, "label": label}
     field = "messages" if _present(row, "messages") else "conversations"
     if not _present(row, field):
         raise RowError(f"missing field 'messages' (or 'conversations', or 'prompt' + 'completion') "
                        f"(fields: {_fields(row)}); map it with columns = {{ messages = \"...\" }}",
                        "missing_field", "messages")
-    messages = _system(ctx) + _messages(row.get(field), field, ctx)
+    messages, _ = _conversation(ctx, field, answer=False)
     if messages[-1]["role"] != "assistant":
         raise RowError(f"the last message of {field!r} must be the assistant's answer (the completion to label), "
                        f"got a {messages[-1]['role']} turn", "no_answer", field)
@@ -502,14 +666,23 @@ def apply_columns(row: Mapping, columns: Mapping[str, str]) -> dict:
 
 
 def convert(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
-            strings: bool = False) -> tuple[str, str, dict]:
+            strings: bool = False, placeholders: str = "allow") -> tuple[str, str, dict]:
     """Convert one raw row. Returns ``(format, kind, internal_row)``; raises :class:`RowError`.
 
     ``columns`` maps our field names to the row's (applied before detection). ``strings``
     says every value arrived as a string (CSV): then ``label`` may be ``"true"``/``"false"``.
+    ``placeholders = "error"`` rejects message text holding an unfilled ``{{name}}``.
     Messages in the result carry only the keys they use; chat rows always have ``tools``
     (None when there are none).
     """
+    fmt, kind, out, _ = convert_found(row, fmt, columns=columns, strings=strings, placeholders=placeholders)
+    return fmt, kind, out
+
+
+def convert_found(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
+                  strings: bool = False, placeholders: str = "allow") -> tuple[str, str, dict, str | None]:
+    """:func:`convert`, and with ``placeholders = "warn"`` the first placeholder the row's
+    message text holds (``"'messages[1].content' holds '{{name}}'"``), else None."""
     if not isinstance(row, Mapping):
         raise RowError(f"expected an object with fields, got {_kind_of_value(row)}", "wrong_type", None)
     columns = columns or {}
@@ -520,8 +693,10 @@ def convert(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = 
         fmt = detect(row)
     elif fmt not in CONVERTERS:
         raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMAT_NAMES)}")
-    kind, out = CONVERTERS[fmt](_Ctx(row, columns, fmt, explicit), strings)
-    return fmt, kind, out
+    ctx = _Ctx(row, columns, fmt, explicit, placeholders)
+    kind, out = CONVERTERS[fmt](ctx, strings)
+    found = None if ctx.placeholder is None else f"{ctx.placeholder[0]!r} holds {ctx.placeholder[1]!r}"
+    return fmt, kind, out, found
 
 
 def kind_of(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
@@ -536,7 +711,8 @@ def kind_of(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = 
 # -- batches -----------------------------------------------------------------------------------------
 
 def _full_message(m: dict) -> dict:
-    return {"role": m["role"], "content": m["content"], "tool_calls": m.get("tool_calls"), "name": m.get("name")}
+    return {"role": m["role"], "content": m["content"], "tool_calls": m.get("tool_calls"), "name": m.get("name"),
+            "reasoning_content": m.get("reasoning_content")}
 
 
 def _placeholder(kind: str) -> dict:
@@ -544,15 +720,19 @@ def _placeholder(kind: str) -> dict:
 
 
 def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mapping[str, str] | None = None,
-                 strings: bool = False) -> dict[str, list]:
-    """Convert rows to the columns of ``kind`` plus ``__error`` and ``__format``; a bad row
-    (or one of another kind) gets None values and its error. Never raises for a row."""
+                 strings: bool = False, placeholders: str = "allow") -> dict[str, list]:
+    """Convert rows to the columns of ``kind`` plus ``__error`` and ``__format`` (and, with
+    ``placeholders = "warn"``, ``__placeholder``); a bad row (or one of another kind) gets
+    None values and its error. Never raises for a row."""
     names = KIND_COLUMNS[kind]
     out: dict[str, list] = {c: [] for c in names}
     out[ERROR_COLUMN], out[FORMAT_COLUMN] = [], []
+    found: list | None = out.setdefault(PLACEHOLDER_COLUMN, []) if placeholders == "warn" else None
     for row in rows:
+        placeholder = None
         try:
-            row_fmt, row_kind, converted = convert(row, fmt, columns=columns, strings=strings)
+            row_fmt, row_kind, converted, placeholder = convert_found(row, fmt, columns=columns, strings=strings,
+                                                                      placeholders=placeholders)
             if row_kind != kind:
                 raise RowError(f"a {row_kind} row ({row_fmt}) among {kind} rows: one source holds one kind of "
                                "rows; split them into separate sources", "mixed_kind", None)
@@ -566,16 +746,18 @@ def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mappi
             out[c].append(value)
         out[ERROR_COLUMN].append(error)
         out[FORMAT_COLUMN].append(row_fmt)
+        if found is not None:
+            found.append(placeholder if error is None else None)
     return out
 
 
 def convert_batch(batch: Mapping[str, list], fmt: str, kind: str, columns: Mapping[str, str] | None = None,
-                  strings: bool = False) -> dict[str, list]:
+                  strings: bool = False, placeholders: str = "allow") -> dict[str, list]:
     """:func:`convert_rows` for a ``datasets`` batch (a dict of equal-length lists)."""
     keys = list(batch)
     n = len(batch[keys[0]]) if keys else 0
     rows = ({k: batch[k][i] for k in keys} for i in range(n))
-    return convert_rows(rows, fmt, kind, columns=columns, strings=strings)
+    return convert_rows(rows, fmt, kind, columns=columns, strings=strings, placeholders=placeholders)
 
 
 def features(kind: str, messages_keys: Iterable[str] = MESSAGE_KEYS) -> dict:

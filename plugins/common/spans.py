@@ -98,6 +98,11 @@ class SpanLocator:
             content_end = positions.get(i)
             start = self._start(messages, tools, i, text, positions, marked_ids, bound, content_end)
             end = self._end(messages, tools, i, text, positions, start, content_end)
+            for name in _called(messages[i]):
+                if name not in text[start:end]:
+                    raise SpanError(f"assistant turn {i} (message {i}) calls the tool {name!r}, but the template "
+                                    "does not render tool calls, so the call would be dropped from training; use "
+                                    "a template that renders them (e.g. \"native\" with a tool-calling model)")
             spans.append((start, end))
             bound = end
         return text, spans
@@ -216,6 +221,16 @@ class SpanLocator:
             if tokens:
                 found.append((tokens[-1] if last else tokens[0]).group())
         return list(dict.fromkeys(found))
+
+
+def _called(message: dict) -> list[str]:
+    """The names of the tools an assistant message calls."""
+    names = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.append(function["name"])
+    return names
 
 
 def _marked(messages: list[dict], ids: Any) -> list[dict]:

@@ -110,6 +110,8 @@ class RowOptions(QualityOptions):
     format: Format = "auto"  # type: ignore[valid-type]
     columns: Annotated[dict[str, str], AfterValidator(_check_columns)] = {}
     on_error: Literal["error", "skip"] = "error"
+    # Message text holding an unfilled "{{name}}": one warning with the count, an error per row, or nothing.
+    placeholders: Literal[F.PLACEHOLDERS] = "warn"  # type: ignore[valid-type]
     limit: Annotated[int, Field(ge=1)] | None = None
     keep: Annotated[list[str], AfterValidator(_check_keep)] = []
     num_proc: Annotated[int, Field(ge=1)] | None = None
@@ -218,6 +220,7 @@ class RowSource(Component):
         skipped: Counter = Counter()
         formats: Counter = Counter()
         shown_errors: list[str] = []
+        placeholders: list = [0, None]  # rows holding one, and the first as "file:line: ..."
         parts, kind, first_shown = [], None, None
         remaining = getattr(o, "limit", None)
 
@@ -257,6 +260,8 @@ class RowSource(Component):
                                   f"{kind.replace('_', ' ')} rows; keep it under another name, or not at all")
             out = self._convert(unit, fmt, kind, keep)
             formats.update(_value_counts(out, F.FORMAT_COLUMN))
+            if F.PLACEHOLDER_COLUMN in out.column_names:
+                out = _count_placeholders(out, unit, placeholders)
             out, errors = _split_errors(out)
             if errors:
                 fatal = next((e for e in errors if e[1].reason == "mixed_kind"
@@ -281,6 +286,9 @@ class RowSource(Component):
         reasons = ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in stats["skipped"].items())
         for line in shown_errors:
             ctx.reporter.warn(f"{prefix}: {_one_line(line)} (skipped)")
+        if placeholders[0]:
+            stats["placeholder_rows"] = placeholders[0]
+            ctx.reporter.warn(f"{prefix}: {placeholder_warning(*placeholders)}")
         loud = sum(v for k, v in skipped.items() if k not in self.silent_skips)
         if loud:
             ctx.reporter.warn(f"{prefix}: skipped {total_skipped:,} of {stats['rows_read']:,} rows ({reasons})")
@@ -342,7 +350,8 @@ class RowSource(Component):
         columns = getattr(self.options, "columns", {})
         for i, row in enumerate(_iter_rows(unit)):
             try:
-                return F.convert(row, fmt, columns=columns, strings=unit.strings)[1]
+                return F.convert(row, fmt, columns=columns, strings=unit.strings,
+                                 placeholders=getattr(self.options, "placeholders", "allow"))[1]
             except F.RowError as exc:
                 if exc.reason in F.ALWAYS_SKIP:
                     continue
@@ -354,20 +363,24 @@ class RowSource(Component):
         import datasets
 
         columns = dict(getattr(self.options, "columns", {}))
-        fn = functools.partial(F.convert_batch, fmt=fmt, kind=kind, columns=columns, strings=unit.strings)
+        placeholders = getattr(self.options, "placeholders", "allow")
+        fn = functools.partial(F.convert_batch, fmt=fmt, kind=kind, columns=columns, strings=unit.strings,
+                               placeholders=placeholders)
         helper = {F.ERROR_COLUMN: datasets.Value("string"), F.FORMAT_COLUMN: datasets.Value("string")}
+        if placeholders == "warn":
+            helper[F.PLACEHOLDER_COLUMN] = datasets.Value("string")
         if unit.dataset is not None:
             ds = unit.dataset
             feats = datasets.Features({**F.features(kind), **helper, **{k: ds.features[k] for k in keep}})
             # datasets hashes `fn` by reference, not by the code it calls: put our code in the fingerprint.
             fingerprint = _fingerprint(ds._fingerprint, "convert", fmt, kind, sorted(columns.items()), unit.strings,
-                                       keep)
+                                       keep, placeholders)
             return ds.map(fn, batched=True, batch_size=MAP_BATCH, remove_columns=[c for c in ds.column_names
                                                                                     if c not in keep],
                           features=feats, num_proc=_num_proc(getattr(self.options, "num_proc", None), len(ds)),
                           new_fingerprint=fingerprint, desc=f"convert {unit.shown}")
         rows = unit.rows or []
-        cols = F.convert_rows(rows, fmt, kind, columns=columns, strings=unit.strings)
+        cols = F.convert_rows(rows, fmt, kind, columns=columns, strings=unit.strings, placeholders=placeholders)
         out = datasets.Dataset.from_dict(cols, features=datasets.Features({**F.features(kind), **helper}))
         for k in keep:
             try:
@@ -455,6 +468,25 @@ def _iter_rows(unit: Unit) -> Iterator[dict]:
         yield from unit.rows or []
 
 
+def placeholder_warning(count: int, first: str) -> str:
+    return (f"{count:,} row(s) hold unfilled template placeholders, trained as they are (first: {first}); set "
+            "placeholders = \"error\" to reject them or \"allow\" to silence this")
+
+
+def _count_placeholders(ds: Any, unit: Unit, found: list) -> Any:
+    """Count the rows ``__placeholder`` marks into ``found`` (and locate the first); drop the column."""
+    import pyarrow.compute as pc
+
+    col = ds.data.column(F.PLACEHOLDER_COLUMN)
+    n = len(col) - col.null_count
+    if n:
+        if found[1] is None:
+            first = int(pc.index(pc.is_valid(col), True).as_py())
+            found[1] = f"{unit.locate([first])[first]}: {col[first].as_py()}"
+        found[0] += n
+    return ds.remove_columns(F.PLACEHOLDER_COLUMN)
+
+
 def _split_errors(ds: Any) -> tuple[Any, list[tuple[int, F.RowError]]]:
     """Drop the rows that carry an error; return them as (index, error), in order."""
     import numpy as np
@@ -482,8 +514,8 @@ MESSAGE_COLUMNS_OF = {"chat": ("messages",), "preference": ("prompt", "chosen", 
 
 
 def _prune(ds: Any, kind: str, num_proc: int | None) -> Any:
-    """Drop what no row uses: chat's ``tools`` column and the messages' ``tool_calls`` and
-    ``name`` keys, so a plain conversation is ``{"role", "content"}`` and nothing more."""
+    """Drop what no row uses: chat's ``tools`` column and the messages' ``tool_calls``, ``name``
+    and ``reasoning_content`` keys, so a plain conversation is ``{"role", "content"}`` and nothing more."""
     import datasets
     import pyarrow.compute as pc
 
@@ -492,13 +524,14 @@ def _prune(ds: Any, kind: str, num_proc: int | None) -> Any:
     cols = MESSAGE_COLUMNS_OF.get(kind, ())
     if not cols:
         return ds
+    optional = [k for k in F.MESSAGE_KEYS if k not in ("role", "content")]
     used = set()
     for c in cols:
         flat = pc.list_flatten(ds.data.column(c))
-        for key in ("tool_calls", "name"):
+        for key in optional:
             if key not in used and len(flat) and pc.struct_field(flat, key).null_count < len(flat):
                 used.add(key)
-    if used == {"tool_calls", "name"}:
+    if used == set(optional):
         return ds
     keys = [k for k in F.MESSAGE_KEYS if k in ("role", "content") or k in used]
     feats = datasets.Features({**ds.features, **{c: F.features(kind, keys)[c] for c in cols}})

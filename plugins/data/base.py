@@ -10,6 +10,8 @@ that yields the file's raw rows as dicts. The base does the rest, as for the bui
   internal schema;
 * ``on_error = "error" | "skip"``, with every bad row reported as ``file:line`` when
   ``read_rows`` gives line numbers, else ``file: row n``;
+* ``placeholders = "warn" | "error" | "allow"``: message text still holding a template
+  slot such as ``{{name}}`` is warned about once, rejected as a bad row, or let through;
 * ``limit``, the filters (``min_chars``, ``max_chars``, ``drop_non_text``), ``dedup`` and a
   ``validation`` split (``split_strategy``, ``split_by``, ``seed``);
 * the data report: the base sets ``self.stats`` (rows read, kept, skipped per reason,

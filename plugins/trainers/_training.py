@@ -402,9 +402,10 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
 def data_origin(ctx: Any, label: str) -> tuple[str, str]:
     """For the stage's ``train`` or ``eval`` rows: how messages name them ("data.chat (chat.jsonl)")
     and the source's ``on_error``."""
-    stage = next((s for s in ctx.run.plan.stages if s.name == ctx.stage), None)
+    plan = getattr(getattr(ctx, "run", None), "plan", None)
+    stage = next((s for s in plan.stages if s.name == ctx.stage), None) if plan is not None else None
     ref = (stage.data if label == "train" else (stage.eval_data or stage.data)) if stage else None
-    selected = ctx.run.plan.data.get(str(ref).split(":")[0]) if ref else None
+    selected = plan.data.get(str(ref).split(":")[0]) if ref else None
     if selected is None:
         return f"stage {ctx.stage} {label} data", "error"
     path = getattr(selected.options, "path", None)

@@ -1,0 +1,271 @@
+"""``ftcore validate --data PLAN``: every row the plan's stages train on, read, converted and
+rendered as a run would, without loading model weights.
+
+Each row a run would reject is one line, ``data.<name>: FILE:LINE: message``, as the data
+sources report it (``(skipped)`` at the end when the source's ``on_error = "skip"`` would
+drop it); then one summary line. :func:`check_plan_data` returns the exit code: 2 when a
+run would stop on a row (a bad row under ``on_error = "error"``, a row the chat template
+cannot render, a source with no row left), else 0.
+
+Rendering goes through :func:`ftcore_plugins.common.chat.row_samples`, the function a
+run's tokenization uses, with the plan's template and the model's tokenizer (loaded from
+its folder; a ``scratch`` model's is trained on its ``tokenizer_data`` as the run does).
+Preference rows are converted and checked, not rendered.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, TextIO
+
+from ftcore.context import DataContext, RunInfo
+from ftcore.errors import FtcoreError
+from ftcore.reporter import Reporter
+
+from ftcore_plugins.common import formats as F
+from ftcore_plugins.data._source import RowSource, Unit, _one_line, _quiet_datasets, placeholder_warning
+
+RENDERED_KINDS = ("chat", "completion", "text")  # what row_samples turns into samples
+BATCH = 1000
+
+
+class _Quiet(Reporter):
+    """The sources' and loaders' own messages are not this command's output."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None, None)
+
+    def info(self, message: str) -> None:
+        pass
+
+    def warn(self, message: str) -> None:
+        pass
+
+
+@dataclass
+class Report:
+    """What the check found: bad rows by reason, lines to print, whether a run would stop."""
+
+    out: TextIO
+    rows: int = 0
+    sources: int = 0
+    files: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    fatal: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def bad(self, prefix: str, where: str, message: str, reason: str, fatal: bool) -> None:
+        """One bad row, as the data sources report it."""
+        self.reasons[reason] += 1
+        self.fatal += fatal
+        print(f"{prefix}: {where}: {_one_line(message)}{'' if fatal else ' (skipped)'}", file=self.out)
+
+    def summary(self) -> str:
+        bad = sum(self.reasons.values())
+        text = f"data: {self.rows:,} rows read from {self.files:,} file(s) in {self.sources} source(s); "
+        if not bad:
+            return text + "no bad rows"
+        reasons = ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in sorted(self.reasons.items()))
+        stop = f"{self.fatal:,} would stop the run" if self.fatal else "a run skips them all"
+        return text + f"{bad:,} bad ({reasons}); {stop}"
+
+
+def stage_data(plan: Any) -> dict[str, bool]:
+    """The data names the stages use (a mix's sources in its place) -> ``train_on_inputs``
+    (False when any stage using it trains on the answers only)."""
+    names: dict[str, bool] = {}
+
+    def add(ref: str, train_on_inputs: bool, seen: tuple[str, ...] = ()) -> None:
+        name = ref.partition(":")[0]
+        sources = getattr(plan.data[name].options, "sources", None)
+        if isinstance(sources, dict) and name not in seen:  # a mix: check what it mixes
+            for sub in sources:
+                add(sub, train_on_inputs, (*seen, name))
+            return
+        names[name] = names.get(name, True) and train_on_inputs
+
+    for stage in plan.stages:
+        train_on_inputs = bool(getattr(stage.trainer.options, "train_on_inputs", False))
+        for ref in (stage.data, stage.eval_data):
+            if ref:
+                add(ref, train_on_inputs)
+    return names
+
+
+def plan_tokenizer(plan: Any, load_data: Any) -> tuple[Any, str | None]:
+    """The model's tokenizer as the run gets it, without the weights; or None and why not."""
+    from transformers import AutoTokenizer
+
+    loader = plan.model.create()
+    o = loader.options
+    path = getattr(o, "tokenizer", None) or getattr(o, "path", None)
+    if path:
+        kwargs = {k: getattr(o, k) for k in ("revision", "trust_remote_code") if getattr(o, k, None) is not None}
+        token = getattr(o, "token", None)
+        if token is not None:
+            kwargs["token"] = token.get_secret_value() if hasattr(token, "get_secret_value") else token
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), **kwargs)
+        except (OSError, ValueError) as exc:
+            raise FtcoreError(f"model: cannot load the tokenizer from {str(path)!r}: "
+                              f"{_one_line(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)}") from None
+    elif getattr(o, "tokenizer_data", None) and hasattr(loader, "_train_tokenizer"):
+        # A scratch model trains its tokenizer on the plan's data: train it here the same way.
+        try:
+            tokenizer = loader._train_tokenizer(SimpleNamespace(data=load_data, reporter=_Quiet()))
+        except FtcoreError as exc:
+            return None, f"rows not rendered: the tokenizer is trained on data that does not load ({exc})"
+    else:
+        return None, f"rows not rendered: model '{plan.model.name}' names no tokenizer to load without the model"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, None
+
+
+def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
+    """Check every row of the data the plan's stages use; print the bad ones and a summary.
+    Returns 2 when a run would stop on the data, else 0."""
+    from ftcore_plugins.common.chat import row_samples
+
+    report = Report(out or sys.stdout)
+    names = stage_data(plan)
+    if not names:
+        print("data: no stage uses data; nothing to check", file=report.out)
+        return 0
+    reporter = _Quiet()
+    run = RunInfo(plan, plan.run_dir)
+    loaded: dict[str, Any] = {}
+
+    def load_data(ref: str) -> Any:  # as the runner loads a reference, for a scratch tokenizer
+        name, _, split = ref.partition(":")
+        if name not in loaded:
+            data = plan.data[name].create().load(DataContext(run, reporter, name, load_data))
+            loaded[name] = data if isinstance(data, dict) else {"train": data}
+        return loaded[name][split or "train"]
+
+    with _quiet_datasets():
+        tokenizer, note = plan_tokenizer(plan, load_data)
+        if note:
+            report.notes.append(note)
+        template = plan.template.create()
+
+        def render(row: dict, train_on_inputs: bool) -> None:
+            row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs, add_eos_to_text=True)
+
+        for name, train_on_inputs in names.items():
+            ctx = DataContext(run, reporter, name, load_data)
+            _check_source(plan.data[name], ctx, report, render if tokenizer is not None else None, train_on_inputs)
+    for line in report.notes:
+        print(f"note: {line}", file=report.out)
+    print(report.summary(), file=report.out)
+    return 2 if report.fatal else 0
+
+
+def _check_source(sel: Any, ctx: DataContext, report: Report, render: Any, train_on_inputs: bool) -> None:
+    prefix = f"data.{ctx.name}"
+    report.sources += 1
+    component = sel.create()
+    if not isinstance(component, RowSource):  # not ours: its rows as it loads them, placed by number
+        data = component.load(ctx)
+        data = data.get("train") if isinstance(data, dict) else data
+        unit = Unit(prefix, rows=[dict(r) for r in data], locate_many=lambda idx: {i: f"row {i + 1}" for i in idx})
+        report.rows += len(unit)
+        _, bad = _check_unit(unit, "auto", {}, "allow", "error", [None], render, train_on_inputs, [0, None])
+        for args in bad:
+            report.bad(prefix, *args)
+        return
+    o = sel.options
+    on_error = getattr(o, "on_error", "error")
+    # Read with "skip", so that a bad line is reported and the reading goes on.
+    component = sel.reg.cls(o.model_copy(update={"on_error": "skip"}) if hasattr(o, "on_error") else o)
+    fmt = component._fixed_format()
+    columns = dict(getattr(o, "columns", {}))
+    placeholders = getattr(o, "placeholders", "allow")
+    remaining = getattr(o, "limit", None)
+    kind: list[str | None] = [None]
+    found: list = [0, None]
+    kept = read = 0
+    for unit in component._checked_units(ctx, prefix):
+        if remaining is not None and remaining <= 0:
+            break
+        if remaining is not None:
+            unit.limit(remaining)
+        n = len(unit) + len(unit.rejected)
+        report.files += 1
+        if n == 0:
+            report.bad(prefix, unit.shown, "no rows (an empty file?)", "empty_file", True)
+            continue
+        read += n
+        if remaining is not None:
+            remaining -= n
+        rejected = [(where, str(err), err.reason, on_error == "error" and err.reason not in F.ALWAYS_SKIP)
+                    for where, err in unit.rejected]
+        good, bad = _check_unit(unit, fmt, columns, placeholders, on_error, kind, render, train_on_inputs, found)
+        kept += good
+        for args in sorted(rejected + bad, key=_place) if rejected else bad:  # in file order
+            report.bad(prefix, *args)
+    report.rows += read
+    if found[0]:
+        print(f"{prefix}: warning: {placeholder_warning(*found)}", file=report.out)
+    if read and not kept:
+        report.fatal += 1
+        print(f"{prefix}: no rows left: all {read:,} rows would be skipped", file=report.out)
+
+
+def _check_unit(unit: Unit, fmt: str, columns: dict, placeholders: str, on_error: str, kind: list, render: Any,
+                train_on_inputs: bool, found: list) -> tuple[int, list[tuple[str, str, str, bool]]]:
+    """Convert (and render) each row of one unit. Returns the rows a run would keep and the bad
+    ones as ``(where, message, reason, stops the run)``. ``kind[0]`` is the source's kind, set
+    by its first good row; ``found`` counts the rows holding placeholders (and the first)."""
+    bad: list[tuple[int, str, str, bool]] = []  # (index, message, reason, stops the run)
+    kept = 0
+    for i, row in enumerate(_rows(unit)):
+        try:
+            row_fmt, row_kind, converted, placeholder = F.convert_found(
+                row, fmt, columns=columns, strings=unit.strings, placeholders=placeholders)
+        except F.RowError as exc:
+            bad.append((i, str(exc), exc.reason, on_error == "error" and exc.reason not in F.ALWAYS_SKIP))
+            continue
+        if kind[0] is None:
+            kind[0] = row_kind
+        elif row_kind != kind[0]:
+            bad.append((i, f"a {row_kind} row ({row_fmt}) among {kind[0]} rows: one source holds one kind of rows; "
+                           "split them into separate sources", "mixed_kind", True))
+            continue
+        if placeholder is not None:
+            if found[1] is None:
+                found[1] = f"{unit.locate([i])[i]}: {placeholder}"
+            found[0] += 1
+        if render is not None and row_kind in RENDERED_KINDS:
+            try:
+                render(converted, train_on_inputs)
+            except Exception as exc:  # a run stops here whatever on_error says
+                message = str(exc) if isinstance(exc, FtcoreError) else f"{type(exc).__name__}: {exc}"
+                bad.append((i, f"cannot render with the template: {message}", "render_error", True))
+                continue
+        kept += 1
+    where = unit.locate([i for i, *_ in bad]) if bad else {}
+    return kept, [(where[i], message, reason, fatal) for i, message, reason, fatal in bad]
+
+
+def _rows(unit: Unit) -> Any:
+    if unit.dataset is None:
+        yield from unit.rows or []
+        return
+    for batch in unit.dataset.iter(batch_size=BATCH):
+        keys = list(batch)
+        for i in range(len(batch[keys[0]]) if keys else 0):
+            yield {k: batch[k][i] for k in keys}
+
+
+_PLACE = re.compile(r"(?::(\d+)|: row (\d+))")
+
+
+def _place(entry: tuple) -> int:
+    """The line (or row) number a place names, to put a file's bad rows in order."""
+    found = _PLACE.search(entry[0].rsplit(" (line", 1)[0])
+    return int(found.group(1) or found.group(2)) if found else 0

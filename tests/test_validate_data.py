@@ -1,0 +1,151 @@
+"""``ftcore validate --data``: every row the stages use, read, converted and rendered with the
+plan's template; each bad row as ``data.<name>: FILE:LINE: message``, then a summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_sources import datasets_cache  # noqa: F401  (autouse: a private datasets cache)
+
+from ftcore.cli import main
+
+# Renders ChatML, and refuses any message that says "boom": a row that converts but cannot be rendered.
+TEMPLATE = ("{% for m in messages %}{% if 'boom' in m['content'] %}{{ raise_exception('no boom here') }}{% endif %}"
+            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def u(text):
+    return {"role": "user", "content": text}
+
+
+def a(text):
+    return {"role": "assistant", "content": text}
+
+
+GOOD = {"messages": [u("Hi"), a("Hello!")]}
+ROWS = [
+    GOOD,
+    {"messages": [u("Hi"), a("")]},
+    '{"messages": [}',
+    {"messages": [a("x"), a("y"), u("z")]},
+    {"messages": [u("Dear {{name}}"), a("ok")]},
+    {"messages": [u("boom"), a("ok")]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "value": "hi"}]}, a("ok")]},
+    {"messages": [u("Hi"), {"role": "assistant", "content": "ok", "thinking": "hm"}]},
+    GOOD,
+]
+LINES = [
+    "data/chat.jsonl:2: 'messages[1]' is an assistant turn with empty content (and no tool_calls): it would train on "
+    "the end-of-turn token alone",
+    "data/chat.jsonl:3: invalid JSON: Expecting value (column 15)",
+    "data/chat.jsonl:4: 'messages[1]' is a second assistant turn in a row; merge them into one message",
+    "data/chat.jsonl:6: cannot render with the template: template 'jinja' cannot render this conversation: "
+    "no boom here",
+    "data/chat.jsonl:7: 'messages[0].content[0]' has 'value'; text parts need 'text'",
+]
+PLACEHOLDER = ("warning: 1 row(s) hold unfilled template placeholders, trained as they are (first: "
+               "data/chat.jsonl:5: 'messages[0].content' holds '{{name}}'); set placeholders = \"error\" to reject "
+               "them or \"allow\" to silence this")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """A small saved tokenizer: what the plan's model names, no hub and no fixtures needed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tok")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["Hello there, how are you?"], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], show_progress=False))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
+def project(folder: Path, tokenizer: Path | str, rows: list, source: str = "", model: str = "") -> Path:
+    (folder / "data").mkdir(parents=True, exist_ok=True)
+    (folder / "data" / "chat.jsonl").write_text(
+        "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    (folder / "t.jinja").write_text(TEMPLATE)
+    model = model or f'tokenizer = "{tokenizer}"'
+    plan = folder / "plan.toml"
+    plan.write_text(f'[run]\nname = "v"\n[model]\nuse = "scratch"\n{model}\n[template]\nuse = "jinja"\n'
+                    f'path = "t.jinja"\n[data.chat]\nuse = "jsonl"\npath = "data/chat.jsonl"\n{source}\n'
+                    '[[stage]]\nname = "sft"\ntrainer = "sft"\ndata = "chat"\nadapter = "full"\n')
+    return plan
+
+
+def validate(capsys, plan: Path, *flags: str) -> tuple[int, list[str]]:
+    code = main(["validate", str(plan), *flags])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{plan}: OK: ")
+    return code, out[1:]
+
+
+def test_each_bad_row_is_one_line_and_the_run_would_stop(tmp_path, capsys, tokenizer_dir):
+    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ROWS), "--data")
+    assert code == 2
+    assert out == [*(f"data.chat: {line}" for line in LINES), f"data.chat: {PLACEHOLDER}",
+                   "data: 9 rows read from 1 file(s) in 1 source(s); 5 bad (empty answer: 1, invalid json: 1, "
+                   "missing field: 1, render error: 1, role order: 1); 5 would stop the run"]
+
+
+def test_without_the_flag_no_row_is_read(tmp_path, capsys, tokenizer_dir):
+    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ROWS))
+    assert (code, out) == (0, [])
+
+
+def test_skipped_rows_are_reported_but_only_a_render_error_stops_the_run(tmp_path, capsys, tokenizer_dir):
+    source = 'on_error = "skip"\nplaceholders = "error"\n'
+    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ROWS, source), "--data")
+    assert code == 2  # the template still cannot render line 6, whatever on_error says
+    assert out[4] == f"data.chat: {LINES[3]}"
+    assert out[3] == ("data.chat: data/chat.jsonl:5: 'messages[0].content' holds the template placeholder '{{name}}', "
+                      "never filled in (set placeholders = \"allow\" in the source to train it as it is) (skipped)")
+    assert out[-1].endswith("6 bad (empty answer: 1, invalid json: 1, missing field: 1, placeholder: 1, "
+                            "render error: 1, role order: 1); 1 would stop the run")
+    rows = [r for r in ROWS if not (isinstance(r, dict) and r["messages"][0]["content"] == "boom")]
+    code, out = validate(capsys, project(tmp_path, tokenizer_dir, rows, source), "--data")
+    assert code == 0 and all(line.endswith(" (skipped)") for line in out[:-1])
+    assert out[-1] == ("data: 8 rows read from 1 file(s) in 1 source(s); 5 bad (empty answer: 1, invalid json: 1, "
+                       "missing field: 1, placeholder: 1, role order: 1); a run skips them all")
+
+
+def test_clean_data_passes_and_a_source_with_nothing_left_fails(tmp_path, capsys, tokenizer_dir):
+    code, out = validate(capsys, project(tmp_path, tokenizer_dir, [GOOD] * 3), "--data")
+    assert (code, out) == (0, ["data: 3 rows read from 1 file(s) in 1 source(s); no bad rows"])
+    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ['{"x"', '{"y"'], 'on_error = "skip"\n'), "--data")
+    assert code == 2 and out[2] == "data.chat: no rows left: all 2 rows would be skipped"
+
+
+def test_a_scratch_tokenizer_is_trained_as_the_run_trains_it(tmp_path, capsys):
+    plan = project(tmp_path, "", [GOOD, {"messages": [u("boom"), a("ok")]}], model='tokenizer_data = ["chat"]')
+    code, out = validate(capsys, plan, "--data")
+    assert code == 2 and out[0] == f"data.chat: data/chat.jsonl:2: {LINES[3].split(': ', 1)[1]}"
+    # When the tokenizer's data does not load, the rows are still converted and reported; not rendered.
+    code, out = validate(capsys, project(tmp_path, "", [GOOD, {"messages": [u("boom"), a("")]}],
+                                         model='tokenizer_data = ["chat"]'), "--data")
+    assert code == 2 and out[0].startswith("data.chat: data/chat.jsonl:2: 'messages[1]' is an assistant turn with "
+                                           "empty content")
+    assert out[1].startswith("note: rows not rendered: the tokenizer is trained on data that does not load "
+                             "(data.chat: data/chat.jsonl:2: 'messages[1]' is an assistant turn")
+
+
+def test_the_stages_data_mixes_expanded():
+    from types import SimpleNamespace as NS
+
+    from ftcore_plugins.data._check import stage_data
+
+    data = {"a": NS(options=NS()), "b": NS(options=NS()), "m": NS(options=NS(sources={"a": 1.0, "b:validation": 1.0})),
+            "unused": NS(options=NS())}
+    sft = NS(options=NS(train_on_inputs=True))
+    plan = NS(data=data, stages=[NS(data="m", eval_data=None, trainer=sft),
+                                 NS(data="a", eval_data="b:validation", trainer=NS(options=NS()))])
+    assert stage_data(plan) == {"a": False, "b": False}
+    plan.stages = plan.stages[:1]
+    assert stage_data(plan) == {"a": True, "b": True}

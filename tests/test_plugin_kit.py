@@ -253,8 +253,10 @@ def _exact_match(run_dir: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue #18, open: not yet confirmed that the custom template's exact match "
-                                       "is within 0.05 of chatml's; the embedding initialisation was still being tuned")
+@pytest.mark.xfail(strict=False, reason="issue #18, open: at seed 42 turns scores 0.88 and chatml 1.00 (every miss is "
+                                       "'the cat' for 'the dog', every answer stops at <|end|>); at seed 43 both score "
+                                       "0.15 (always 'the horse'): the plan's LoRA stage is seed-fragile, so one seed "
+                                       "cannot compare templates")
 def test_example_package_template_learns_its_end_of_turn_as_well_as_chatml(tmp_path):
     text = (EXAMPLE / "plan.toml").read_text().replace('"../quickstart/', f'"{QUICKSTART.as_posix()}/')
     text = text.replace('"data/train.tsv"', f'"{(EXAMPLE / "data" / "train.tsv").as_posix()}"')

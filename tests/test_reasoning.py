@@ -88,46 +88,24 @@ def test_no_think_mode_puts_the_empty_think_block_in_the_prompt(qwen3):
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
+def real_tokenizer_plan(ftcore_plan, tokenizer: Path, template: dict, data: str, **stage) -> Path:
+    """The testing kit's tiny plan (a 2-layer, hidden-64 Llama from scratch) on a real tokenizer, with
+    ``template`` as [template] and ``data`` (a JSONL file next to the plan) trained by one short sft stage."""
+    return ftcore_plan({
+        "model": {"tokenizer": tokenizer.as_posix(), "tokenizer_data": None, "vocab_size": None,
+                  "max_position_embeddings": 2048},
+        "data": {"chat": {"path": data}, "chat_eval": None, "text": None},
+        "stage": [{"name": "sft", "trainer": "sft", "data": "chat", "adapter": "full", "batch_size": 8,
+                   "max_length": 128, "learning_rate": 3e-3, "logging_steps": 1, "save_steps": 100, **stage}],
+        "template": template}, data=False)
+
+
 @pytest.mark.slow
-def test_a_multi_turn_sft_run_with_native_on_qwen3_trains(tmp_path, ftcore_run):
+def test_a_multi_turn_sft_run_with_native_on_qwen3_trains(ftcore_plan, ftcore_run):
+    tmp_path = ftcore_plan.dir
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": conversation(k)} for k in range(48)])
-    plan = tmp_path / "plan.toml"
-    plan.write_text(f"""
-[run]
-name = "qwen3"
-seed = 3
-
-[model]
-use = "scratch"
-architecture = "qwen3"
-hidden_size = 64
-num_layers = 2
-num_heads = 4
-num_kv_heads = 2
-intermediate_size = 128
-max_position_embeddings = 256
-tokenizer = "{QWEN3.as_posix()}"
-config = {{ head_dim = 16 }}
-
-[template]
-use = "native"
-samples = "per_turn"
-
-[data.chat]
-use = "jsonl"
-path = "chat.jsonl"
-
-[[stage]]
-name = "sft"
-trainer = "sft"
-data = "chat"
-adapter = "full"
-max_steps = 12
-batch_size = 8
-max_length = 128
-learning_rate = 3e-3
-logging_steps = 1
-""", encoding="utf-8")
+    plan = real_tokenizer_plan(ftcore_plan, QWEN3, {"use": "native", "samples": "per_turn"}, "chat.jsonl",
+                               max_steps=12)
     run = ftcore_run("run", plan, cwd=tmp_path).check()
     losses = run.losses("sft")
     assert len(losses) == 12

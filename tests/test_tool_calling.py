@@ -87,46 +87,15 @@ def test_schemas_reach_the_prompt_and_only_calls_and_answers_are_trained(family)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_glaive_trains(family, tmp_path, ftcore_run):
-    folder, spec = FAMILIES[family]
+def test_glaive_trains(family, ftcore_plan, ftcore_run):
+    from test_reasoning import real_tokenizer_plan
+
+    folder, template = FAMILIES[family]
     # Rows with tool schemas: Hermes 3's tool-use template cannot render a conversation without them.
     raw = [r for r in json.loads(GLAIVE.read_text(encoding="utf-8")) if r.get("tools") not in (None, "", "[]")]
-    write_jsonl(tmp_path / "glaive.jsonl", raw[:32])
-    template = "\n".join(f"{k} = {json.dumps(v)}" for k, v in spec.items())
-    plan = tmp_path / "plan.toml"
-    plan.write_text(f"""
-[run]
-name = "glaive"
-seed = 5
-
-[model]
-use = "scratch"
-architecture = "llama"
-hidden_size = 64
-num_layers = 2
-num_heads = 4
-intermediate_size = 128
-max_position_embeddings = 2048
-tokenizer = "{(FIXTURES / 'tokenizers' / folder).as_posix()}"
-
-[template]
-{template}
-
-[data.glaive]
-use = "jsonl"
-path = "glaive.jsonl"
-
-[[stage]]
-name = "sft"
-trainer = "sft"
-data = "glaive"
-adapter = "full"
-max_steps = 4
-batch_size = 2
-max_length = 512
-learning_rate = 3e-3
-logging_steps = 1
-""", encoding="utf-8")
-    run = ftcore_run("run", plan, cwd=tmp_path).check()
+    write_jsonl(ftcore_plan.dir / "glaive.jsonl", raw[:32])
+    plan = real_tokenizer_plan(ftcore_plan, FIXTURES / "tokenizers" / folder, template, "glaive.jsonl",
+                               max_steps=4, batch_size=2, max_length=512)
+    run = ftcore_run("run", plan, cwd=ftcore_plan.dir).check()
     losses = run.losses("sft")
     assert len(losses) == 4 and losses[4] < losses[1] - 0.3, losses

@@ -5,7 +5,7 @@ Each row a run would reject is one line, ``data.<name>: FILE:LINE: message``, as
 sources report it (``(skipped)`` at the end when the source's ``on_error = "skip"`` would
 drop it); then one summary line. :func:`check_plan_data` returns the exit code: 2 when a
 run would stop on a row (a bad row under ``on_error = "error"``, a row the chat template
-cannot render, a source with no row left), else 0.
+cannot render among them, a source with no row left), else 0.
 
 Rendering goes through :func:`ftcore_plugins.common.chat.row_samples`, the function a
 run's tokenization uses, with the plan's template and the model's tokenizer (loaded from
@@ -243,9 +243,9 @@ def _check_unit(unit: Unit, fmt: str, columns: dict, placeholders: str, on_error
         if render is not None and row_kind in RENDERED_KINDS:
             try:
                 render(converted, train_on_inputs)
-            except Exception as exc:  # a run stops here whatever on_error says
+            except Exception as exc:  # a run stops here, or skips the row and counts it under on_error = "skip"
                 message = str(exc) if isinstance(exc, FtcoreError) else f"{type(exc).__name__}: {exc}"
-                bad.append((i, f"cannot render with the template: {message}", "render_error", True))
+                bad.append((i, f"cannot render with the template: {message}", "render_error", on_error == "error"))
                 continue
         kept += 1
     where = unit.locate([i for i, *_ in bad]) if bad else {}

@@ -130,6 +130,7 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
     """Check every row of the data the plan's stages use; print the bad ones and a summary.
     Returns 2 when a run would stop on the data, else 0."""
     from ftcore_plugins.common.chat import row_samples
+    from ftcore_plugins.common.spans import SpanLocator
 
     report = Report(out or sys.stdout)
     names = stage_data(plan)
@@ -152,9 +153,11 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
         if note:
             report.notes.append(note)
         template = plan.template.create()
+        locator = SpanLocator(template, tokenizer)  # one for all rows: what it learns of the template is kept
 
         def render(row: dict, train_on_inputs: bool) -> None:
-            row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs, add_eos_to_text=True)
+            row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs, add_eos_to_text=True,
+                        locator=locator)
 
         for name, train_on_inputs in names.items():
             ctx = DataContext(run, reporter, name, load_data)

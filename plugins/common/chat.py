@@ -214,7 +214,7 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
                 return []
             fix = ('; set [template] use = "chatml" (or another named template), train_on_inputs = true, or '
                    'on_error = "skip" in the data source' if isinstance(exc, SpanError) else
-                   '; or set on_error = "skip" in the data source to skip such rows')
+                   '; fix the row, or set on_error = "skip" in the data source to skip such rows')
             message = str(exc)
             named = f"template '{template_name}'"
             message = message if message.startswith(named) else f"{named}: {message}"

@@ -113,9 +113,9 @@ def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bo
     Raises :class:`FtcoreError` (one line) when the row cannot be rendered or its turns located."""
     if row.get("messages"):
         messages, tools = template_messages(row["messages"]), row_tools(row)
-        if train_on_inputs:
-            return [(_render(template, messages, tokenizer, tools), None)]
         locator = locator or SpanLocator(template, tokenizer)
+        if train_on_inputs:
+            return [(locator.render(messages, tools), None)]
         if samples_mode(template) == "per_turn":
             # One sample per assistant turn, ending with it: the template renders that turn as the
             # model generates it (a thinking model's reasoning kept), and only it is trained.
@@ -134,12 +134,6 @@ def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bo
 def samples_mode(template: Any) -> str:
     """``conversation`` (one sample per row) or ``per_turn``, from the template's options."""
     return getattr(getattr(template, "options", None), "samples", "conversation")
-
-
-def _render(template: Any, messages: list[dict], tokenizer: Any, tools: list | None) -> str:
-    if tools:
-        return template.render(messages, tokenizer, add_generation_prompt=False, tools=tools)
-    return template.render(messages, tokenizer, add_generation_prompt=False)
 
 
 def label_spans(ids: list[int], spans: list[tuple[int, int]] | None, token_at: Any) -> list[int]:

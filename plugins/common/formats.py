@@ -699,6 +699,18 @@ def convert_found(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | N
     return fmt, kind, out, found
 
 
+def convert_kind(row: Any, fmt: str, kind: str | None, *, columns: Mapping[str, str] | None = None,
+                 strings: bool = False, placeholders: str = "allow") -> tuple[str, str, dict, str | None]:
+    """:func:`convert_found`, where a row of another kind than ``kind`` (None: any) is a
+    ``mixed_kind`` error: one source holds one kind of rows."""
+    row_fmt, row_kind, converted, placeholder = convert_found(row, fmt, columns=columns, strings=strings,
+                                                              placeholders=placeholders)
+    if kind is not None and row_kind != kind:
+        raise RowError(f"a {row_kind} row ({row_fmt}) among {kind} rows: one source holds one kind of "
+                       "rows; split them into separate sources", "mixed_kind", None)
+    return row_fmt, row_kind, converted, placeholder
+
+
 def kind_of(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
             strings: bool = False) -> str | None:
     """The kind a row converts to, or None when it does not convert."""
@@ -731,11 +743,8 @@ def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mappi
     for row in rows:
         placeholder = None
         try:
-            row_fmt, row_kind, converted, placeholder = convert_found(row, fmt, columns=columns, strings=strings,
-                                                                      placeholders=placeholders)
-            if row_kind != kind:
-                raise RowError(f"a {row_kind} row ({row_fmt}) among {kind} rows: one source holds one kind of "
-                               "rows; split them into separate sources", "mixed_kind", None)
+            row_fmt, _, converted, placeholder = convert_kind(row, fmt, kind, columns=columns, strings=strings,
+                                                              placeholders=placeholders)
             error = None
         except RowError as exc:
             converted, error, row_fmt = _placeholder(kind), exc.encode(), None

@@ -228,17 +228,13 @@ def _check_unit(unit: Unit, fmt: str, columns: dict, placeholders: str, on_error
     kept = 0
     for i, row in enumerate(_rows(unit)):
         try:
-            row_fmt, row_kind, converted, placeholder = F.convert_found(
-                row, fmt, columns=columns, strings=unit.strings, placeholders=placeholders)
+            _, row_kind, converted, placeholder = F.convert_kind(
+                row, fmt, kind[0], columns=columns, strings=unit.strings, placeholders=placeholders)
         except F.RowError as exc:
-            bad.append((i, str(exc), exc.reason, on_error == "error" and exc.reason not in F.ALWAYS_SKIP))
+            bad.append((i, str(exc), exc.reason, exc.reason == "mixed_kind"
+                        or (on_error == "error" and exc.reason not in F.ALWAYS_SKIP)))
             continue
-        if kind[0] is None:
-            kind[0] = row_kind
-        elif row_kind != kind[0]:
-            bad.append((i, f"a {row_kind} row ({row_fmt}) among {kind[0]} rows: one source holds one kind of rows; "
-                           "split them into separate sources", "mixed_kind", True))
-            continue
+        kind[0] = row_kind  # the source's kind: its first good row's
         if placeholder is not None:
             if found[1] is None:
                 found[1] = f"{unit.locate([i])[i]}: {placeholder}"

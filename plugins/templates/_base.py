@@ -169,10 +169,8 @@ def render_jinja(name: str, template: str | None, messages: list[dict], tokenize
         # conversation): the same renderer, fed the same variables.
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        if template is None:
-            template = getattr(tokenizer, "chat_template", None)
         variables = {**(dict(tokenizer.special_tokens_map) if tokenizer is not None else {}), **variables}
-        rendered, _ = render_jinja_template(conversations=[messages], chat_template=template, tools=tools,
+        rendered, _ = render_jinja_template(conversations=[messages], chat_template=source, tools=tools,
                                             add_generation_prompt=add_generation_prompt, **variables)
         return rendered[0]
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:

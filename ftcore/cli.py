@@ -218,6 +218,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .plan import load_plan
+    from .reporter import quiet_libraries
+
+    quiet_libraries(verbose=args.debug)
     from .runner import Runner
     from .summary import print_summary
 

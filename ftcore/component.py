@@ -9,9 +9,10 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Options(BaseModel):
-    """Base for a component's options. Unknown keys are errors, not silently ignored."""
+    """Base for a component's options. Unknown keys are errors, not silently ignored, and so are
+    ``inf`` and ``nan`` in any float option (TOML can write them; no option means them)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 class Component:

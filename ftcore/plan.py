@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from .errors import PlanError, did_you_mean, unknown_choice
 from .registry import Registration, Registry
+from .types import file_in_the_way
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,6 +108,11 @@ class Plan:
     rewards: dict[str, Selected]
     trackers: list[Selected]
     distributed: Any = None  # ftcore.launch.Distributed: how many processes, which engine
+    shown: str = ""  # the plan file as the user named it, for messages
+
+    def problem(self, key: str, message: str) -> str:
+        """A problem with this plan, in the form validation reports them: ``<file>: <key>: <message>``."""
+        return f"{self.shown or self.path}: {key}: {message}"
 
     @property
     def base_dir(self) -> Path:
@@ -130,13 +136,23 @@ class Plan:
 
 def read_toml(path: Path, shown: str) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         raise PlanError([f"{shown}: no such plan file"]) from None
-    except UnicodeDecodeError as exc:
-        raise PlanError([f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    except IsADirectoryError:
+        raise PlanError([f"{shown}: is a folder, not a plan file"]) from None
     except OSError as exc:
         raise PlanError([f"{shown}: cannot read plan: {exc.strerror}"]) from None
+    try:
+        text = data.decode("utf-8-sig")  # a BOM, as some Windows editors write, is not part of the TOML
+    except UnicodeDecodeError as exc:
+        bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+        start = exc.start + bom
+        line = data.count(b"\n", 0, start) + 1
+        line_start = max(data.rfind(b"\n", 0, start) + 1, bom)
+        column = len(data[line_start:start].decode("utf-8")) + 1  # characters: all valid before the bad byte
+        raise PlanError([f"{shown}:{line}: not UTF-8 text at column {column} (byte {data[start]:#04x}); "
+                         f"save the plan as UTF-8"]) from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -155,8 +171,16 @@ def load_plan(path: str | Path, registry: Registry, distributed: dict[str, Any] 
     keys of the plan's ``[distributed]`` (the ``ftcore run`` flags)."""
     shown = str(path)
     path = Path(path).expanduser().resolve()
-    raw = read_toml(path, shown)
-    checker = _Checker(shown, path.parent, registry)
+    return check_plan(read_toml(path, shown), path, registry, shown=shown, distributed=distributed)
+
+
+def check_plan(raw: dict[str, Any], path: str | Path, registry: Registry, *, shown: str | None = None,
+               distributed: dict[str, Any] | None = None) -> Plan:
+    """Check a plan already read into a dict (a run manifest's copy, a plan built in code), as if it were
+    the file ``path``: relative paths resolve against its folder and problems are prefixed ``shown``
+    (default: ``path``). Raises :class:`PlanError` listing every problem."""
+    path = Path(path).expanduser().resolve()
+    checker = _Checker(shown or str(path), path.parent, registry)
     plan = checker.check(raw, path, distributed or {})
     if checker.problems:
         raise PlanError(checker.problems)
@@ -289,6 +313,11 @@ class _Checker:
             output_dir = (self.base_dir / output_dir.expanduser()).resolve()
         except RuntimeError as exc:  # "~user/..." for a user that does not exist
             self.problem("run.output_dir", f"cannot expand {str(output_dir)!r}: {exc}")
+        else:
+            blocker = file_in_the_way(output_dir / run_name)
+            if blocker is not None:
+                self.problem("run.name" if blocker == output_dir / run_name else "run.output_dir",
+                             f"{blocker} is a file, not a folder; the run is written to {output_dir / run_name}/")
 
         model_section = self.table(raw, "model", required=True)
         model = self.component("model loader", "model", model_section) if model_section is not None else None
@@ -379,6 +408,11 @@ class _Checker:
             if out is not None and not isinstance(out, str):
                 self.problem(f"{key}.path", f"must be a string, got {_type(out)}")
                 out = None
+            elif out is not None and file_in_the_way((self.base_dir / out).resolve().parent) is not None:
+                self.problem(f"{key}.path", f"cannot write {out}: "
+                                            f"{file_in_the_way((self.base_dir / out).resolve().parent)} is a file, "
+                                            f"not a folder")
+                out = None
             name = section.get("name") or (ex.name if ex else None)
             if name is not None and self.unique_name(name, f"{key}.name", "export", seen) and ex:
                 exports.append(Export(name, ex, (self.base_dir / out).resolve() if out else None))
@@ -386,7 +420,7 @@ class _Checker:
         if self.problems or model is None or quantizer is None or template is None:
             return None
         plan = Plan(path, raw, run_name, seed, output_dir, requires, model, quantizer, template, data,
-                    stages, evaluations, exports, rewards, trackers, distributed)
+                    stages, evaluations, exports, rewards, trackers, distributed, self.shown)
         for msg in distributed.problems(plan):
             key, _, message = msg.partition(": ")
             self.problem(f"distributed.{key}", message)

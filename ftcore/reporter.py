@@ -10,12 +10,32 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("ftcore")
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Keep third-party chatter off the console for the rest of this process: the progress bars of
+    transformers ("Loading weights"), datasets and the hub, transformers' advisory messages, and Python
+    warnings (a library's ``FutureWarning``). Warnings go to the logging system instead, so ``run.log``
+    keeps them, as it keeps the libraries' log records; ``verbose`` (``--debug``) leaves everything as the libraries set it. Call it before
+    they are imported: they read these settings then."""
+    if verbose:
+        return
+    for name, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
+                        ("TRANSFORMERS_VERBOSITY", "error"), ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+        os.environ.setdefault(name, value)
+    logging.captureWarnings(True)
+    # Not Python's last-resort handler, which prints a library's log warnings (bitsandbytes' "Failed to
+    # load CPU gemm_4bit_forward ...") to stderr: until run.log exists they are dropped.
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.NullHandler) for h in root.handlers):
+        root.addHandler(logging.NullHandler())
 
 
 class Progress:
@@ -39,6 +59,7 @@ class Reporter:
         self.metrics_path = metrics_path
         self._pm = pm  # calls ftcore_log on plugins, main rank only
         self._run = run
+        self._errors: Any | None = None  # a console on stderr, for warnings
 
     def info(self, message: str) -> None:
         log.info(_plain(message))
@@ -47,8 +68,12 @@ class Reporter:
 
     def warn(self, message: str) -> None:
         log.warning(_plain(message))
-        if self.console is not None:
-            self.console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+        if self.console is not None:  # on stderr, so that stdout stays the run's own output
+            if self._errors is None:
+                from rich.console import Console
+
+                self._errors = Console(stderr=True, soft_wrap=True)
+            self._errors.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
     def data_report(self, name: str, values: dict[str, Any]) -> None:
         """Merge ``values`` under ``name`` into the run's data_report.json."""

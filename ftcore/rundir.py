@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,13 @@ def prepare(run_dir: Path, fingerprint: str, resume: bool, force: bool) -> str:
         previous = json.loads(manifest.read_text())
     except (OSError, ValueError) as exc:
         raise FtcoreError(f"{manifest}: unreadable manifest ({exc}); pass --force to move the run aside") from None
+    if previous.get("status") == "failed" and not trained_anything(run_dir):
+        # Bad data or a bad option stopped it before a single step: nothing in it is worth keeping, and
+        # asking for --force or --resume after the fix would only be in the way.
+        shutil.rmtree(run_dir)
+        run_dir.mkdir()
+        return f"the previous run here failed before training ({previous.get('error', 'no error recorded')[:200]}); " \
+               f"starting over in {run_dir}"
     if previous.get("plan_fingerprint") != fingerprint:
         raise FtcoreError(
             f"{run_dir}: holds a run of a different plan ({previous.get('plan_path', '?')}, "
@@ -53,6 +61,23 @@ def prepare(run_dir: Path, fingerprint: str, resume: bool, force: bool) -> str:
         raise FtcoreError(f"{run_dir}: this plan already ran here (status: {state}); "
                           "pass --resume to continue it, or --force to move it aside and start over")
     return f"resuming the run in {run_dir}"
+
+
+def trained_anything(run_dir: Path) -> bool:
+    """Whether a run got as far as a training step: one is logged, a stage left a checkpoint, an output
+    or its marker, or something was exported."""
+    if (run_dir / "exports").exists() or (run_dir / "exports.json").exists():
+        return True
+    for stage in (run_dir / "stages").glob("*"):
+        if any((stage / "checkpoints").glob("*")) or (stage / "output").exists() or (stage / COMPLETE).exists():
+            return True
+    try:
+        with (run_dir / "metrics.jsonl").open(encoding="utf-8") as lines:
+            return any(json.loads(line).get("step") is not None for line in lines if line.strip())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True  # unreadable: keep it
 
 
 def sha256(path: Path) -> str:

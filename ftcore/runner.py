@@ -19,7 +19,7 @@ from typing import Any
 
 from . import launch, memory, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
-from .errors import ComponentError, FtcoreError
+from .errors import ComponentError, FtcoreError, PlanError
 from .plan import Plan, Selected, Stage, phase_order
 from .plugins import PluginManager
 from .reporter import Reporter
@@ -73,6 +73,7 @@ class Runner:
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        self._preflight()
         # Rank 0 alone applies the run-directory rules; the others wait for its decision before they read.
         note = launch.from_main(self._prepare, self.info.world_size)
         handler = self._log_to_file()
@@ -108,6 +109,57 @@ class Runner:
         self._close_log(handler)
         return summary
 
+    def _preflight(self) -> None:
+        """What the model's shapes decide, checked before the run folder is made or a weight is read: each
+        ``max_length`` against the model's context, and each stage's adapter applied to the model on the
+        meta device (its target modules, its options). A loader without ``meta_model()``, or one that
+        cannot build it here (a hub id not yet downloaded), skips this; loading reports it then."""
+        loader = self.plan.model.create()
+        if not hasattr(loader, "meta_model"):
+            return
+        try:
+            model, config = loader.meta_model()
+        except Exception as exc:  # noqa: BLE001 - the real load says it better
+            log.debug("preflight skipped: %s", exc)
+            return
+        problems = []
+        config = getattr(config, "text_config", None) or config  # a multimodal model's language part
+        context = getattr(config, "max_position_embeddings", None)
+        sections = [*((s.trainer, s.trainer.key) for s in self.plan.stages),
+                    *((e.evaluator, e.evaluator.key) for e in self.plan.evaluations)]
+        for sel, key in sections:
+            length = getattr(sel.options, "max_length", None)
+            # A default is a cap the rows rarely reach; a value the plan sets is a promise to use it.
+            if isinstance(context, int) and isinstance(length, int) and length > context \
+                    and "max_length" in sel.options.model_fields_set:
+                problems.append(self.plan.problem(f"{key}.max_length", f"{length} is longer than the model's context "
+                                                  f"of {context} tokens (max_position_embeddings); use at most {context}"))
+        silent = AdapterContext(self.info, Reporter(None, None, None, None), self.quantizer)
+        prepare_meta = getattr(self.quantizer, "prepare_meta", None)
+        tried: list[Any] = []
+        for stage in self.plan.stages:
+            if not stage.trains_policy or any(stage.adapter.reg is r and stage.adapter.options == o for r, o in tried):
+                continue
+            tried.append((stage.adapter.reg, stage.adapter.options))
+            own = isinstance((self.plan.raw.get("stage") or [{}] * (stage.index + 1))[stage.index], dict) and \
+                "adapter" in self.plan.raw["stage"][stage.index]
+            adapter = stage.adapter.create()
+            apply = getattr(adapter, "apply_meta", None) or adapter.apply
+            try:
+                fresh, _ = loader.meta_model()
+                if prepare_meta is not None:
+                    fresh = prepare_meta(fresh)
+                apply(fresh, silent)
+            except FtcoreError as exc:
+                message = str(exc)
+                field = re.match(r"adapter (\w+): ", message)  # "adapter target_modules: 'x' matches no module"
+                key = f"{stage.adapter.key if own else 'adapter'}" + (f".{field.group(1)}" if field else "")
+                problems.append(self.plan.problem(key, message[field.end():] if field else message))
+            except Exception as exc:  # noqa: BLE001 - not decidable on meta tensors; the real apply decides
+                log.debug("preflight: adapter %s on the meta model: %s", stage.adapter.name, exc)
+        if problems:
+            raise PlanError(problems)
+
     def _prepare(self) -> str:
         self._check_exports_free()
         return rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
@@ -138,7 +190,7 @@ class Runner:
             self._evaluate("before", model, tokenizer)
         for stage in plan.stages[:max(last_done, 0)]:  # finished stages whose evaluation did not (killed between)
             if between[stage.name]:
-                self._evaluate(stage.name, *self._model_at(stage.name))
+                self._evaluate(stage.name, *self.model_at(stage.name))
         state = self._materialize(last_done)
         if last_done >= 0 and between.get(plan.stages[last_done].name):
             self._evaluate(plan.stages[last_done].name, state.model, state.tokenizer)
@@ -185,15 +237,16 @@ class Runner:
         self._base = (model, tokenizer)
         return self._base
 
-    def _materialize(self, index: int) -> ModelState:
-        """The model as it was after stage ``index`` (-1: the base model), rebuilt from saved outputs."""
+    def _materialize(self, index: int, output: Path | None = None) -> ModelState:
+        """The model as it was after stage ``index`` (-1: the base model), rebuilt from saved outputs;
+        ``output`` replaces stage ``index``'s own output folder (an adapter export of it)."""
         if index < 0:
             model, tokenizer = self._load_base()
             self._base = None  # training changes it in place from here on
             return ModelState(model, tokenizer, None, -1)
         stage = self.plan.stages[index]
         if not stage.trains_policy:  # its product is a separate model; the policy is the one before it
-            return self._materialize(index - 1)
+            return self._materialize(index - 1, output)
         marker = self._marker(stage) or {}
         started = int(marker.get("adapter_from", index))
         state = self._materialize(started - 1)
@@ -202,7 +255,8 @@ class Runner:
             with calling(state.adapter, "merge"):
                 model = state.adapter.create().merge(model)
         with calling(stage.adapter, "restore"):
-            model = stage.adapter.create().restore(model, self.stage_dir(stage) / "output", self._adapter_ctx())
+            model = stage.adapter.create().restore(model, output or self.stage_dir(stage) / "output",
+                                                       self._adapter_ctx())
         self.reporter.info(f"stage [bold]{stage.name}[/] is complete: restored its output")
         return ModelState(model, state.tokenizer, stage.adapter, started)
 
@@ -271,7 +325,7 @@ class Runner:
                                   self._load_data(ev.data) if ev.data else None, out,
                                   earlier={p: self.evaluations[p][ev.name] for p in earlier
                                            if ev.name in self.evaluations.get(p, {})},
-                                  outputs=outputs, load_model=self._model_at, load_data=self._load_data,
+                                  outputs=outputs, load_model=self.model_at, load_data=self._load_data,
                                   name=ev.name)
                 with calling(ev.evaluator, "evaluate", f"evaluation '{ev.name}', {ev.evaluator.key}"):
                     values = ev.evaluator.create().evaluate(ctx) or {}
@@ -300,9 +354,10 @@ class Runner:
     def _phase_order(self) -> list[str]:
         return phase_order([s.name for s in self.plan.stages])
 
-    def _model_at(self, which: str) -> tuple[Any, Any]:
+    def model_at(self, which: str, output: Path | None = None) -> tuple[Any, Any]:
         """``(model, tokenizer)`` as they were at ``which`` ("base" or a finished stage's name), rebuilt
-        from the run's files; the live model is left alone."""
+        from the run's files; the live model is left alone. ``output``: restore that stage's adapter from
+        this folder instead of the stage's own output (an adapter export of it)."""
         names = [s.name for s in self.plan.stages]
         if which != "base" and which not in names:
             raise FtcoreError(f"no stage named {which!r} to load; stages: {', '.join(names) or 'none'}")
@@ -311,7 +366,7 @@ class Runner:
             raise FtcoreError(f"stage {which!r} has not finished yet, so its model cannot be loaded")
         cached, self._base = self._base, None
         try:
-            state = self._materialize(index)
+            state = self._materialize(index, output)
         finally:
             self._base = cached
         return state.model, state.tokenizer

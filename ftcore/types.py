@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import AfterValidator, ValidationInfo
+from pydantic import AfterValidator, Field, ValidationInfo
 
 
 def _resolve(value: Path, info: ValidationInfo) -> Path:
@@ -29,6 +29,23 @@ def _resolve(value: Path, info: ValidationInfo) -> Path:
     return Path(str(value.resolve()) if base is not None else value)
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The existing file (not folder) that ``path`` or one of its parents is, which makes writing to or
+    under ``path`` as a folder impossible; None when there is none."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def _output(value: Path, info: ValidationInfo) -> Path:
+    value = _resolve(value, info)
+    blocker = file_in_the_way(value.parent)
+    if blocker is not None:
+        raise ValueError(f"cannot write {value}: {blocker} is a file, not a folder")
+    return value
+
+
 def _existing(value: Path, info: ValidationInfo) -> Path:
     value = _resolve(value, info)
     if not value.exists():
@@ -39,8 +56,16 @@ def _existing(value: Path, info: ValidationInfo) -> Path:
 InputPath = Annotated[Path, AfterValidator(_existing)]
 """A path that must exist when the plan is validated; relative to the plan's folder."""
 
-OutputPath = Annotated[Path, AfterValidator(_resolve)]
+OutputPath = Annotated[Path, AfterValidator(_output)]
 """A path to write to; relative to the plan's folder. It need not exist yet."""
+
+
+Tokens = Annotated[int, Field(ge=1, le=1 << 24)]
+"""A length in tokens (``max_length``, ``max_new_tokens``): at least 1, at most 16M, above any model's context.
+Trainers also check a ``max_length`` against the model's ``max_position_embeddings`` before loading weights."""
+
+LearningRate = Annotated[float, Field(gt=0, le=1)]
+"""A learning rate: above 0 (0 trains nothing) and at most 1."""
 
 
 class Reference:

@@ -111,3 +111,56 @@ def test_builtin_modules_live_in_their_kinds_folder():
     misplaced = [f"{r.kind} '{r.name}' in {r.plugin}" for kind in KINDS for r in registry.all(kind)
                  if r.plugin.split(".")[1] != folder_of_kind[kind]]
     assert not misplaced, misplaced
+
+
+# -- numeric options have bounds -------------------------------------------------------------------
+
+# Options whose every finite value means something; each other numeric option needs a lower bound.
+UNBOUNDED = {"reward function:regex.match", "reward function:regex.miss"}
+CHECKED_BY_A_VALIDATOR = {"validation"}  # a share in (0, 1) or a row count >= 1 (data sources' shared options)
+
+
+def _numeric_options() -> list[tuple[str, object]]:
+    import typing
+
+    found = []
+    registry = get_plugin_manager().registry()
+    for kind in KINDS:
+        for reg in registry.all(kind):
+            if not reg.dist.startswith("ftcore"):
+                continue
+            for field, info in reg.cls.Options.model_fields.items():
+                annotation = info.annotation
+                inner = [annotation, *typing.get_args(annotation)]
+                if any(t in (int, float) for t in inner):
+                    found.append((f"{kind}:{reg.name}.{field}", info))
+    return found
+
+
+def test_every_numeric_option_of_a_builtin_has_a_lower_bound():
+    import annotated_types
+
+    options = _numeric_options()
+    assert len(options) > 100
+    missing = [key for key, info in options
+               if key not in UNBOUNDED and key.rpartition(".")[2] not in CHECKED_BY_A_VALIDATOR
+               and not any(isinstance(m, (annotated_types.Ge, annotated_types.Gt)) for m in info.metadata)]
+    assert missing == []
+
+
+def test_no_option_takes_inf_or_nan():
+    import typing
+
+    from pydantic import ValidationError
+
+    registry = get_plugin_manager().registry()
+    floats = [(key, info) for key, info in _numeric_options()
+              if float in (info.annotation, *typing.get_args(info.annotation))]
+    assert floats
+    for key, _ in floats:
+        kind, _, rest = key.partition(":")
+        name, _, field = rest.rpartition(".")
+        options = registry.resolve(kind, name).cls.Options
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            with pytest.raises(ValidationError, match="finite number"):
+                options.model_validate({field: bad}, context={"base_dir": ROOT})

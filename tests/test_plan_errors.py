@@ -267,11 +267,25 @@ def test_plan_file_not_utf8(tmp_path):
     plan = write_project(tmp_path)
     plan.write_bytes(BASE.replace('"tiny"', '"caf\xe9"').encode("latin-1"))
     before = snapshot(tmp_path)
+    line = next(i for i, text in enumerate(BASE.splitlines(), 1) if '"tiny"' in text)
+    column = BASE.splitlines()[line - 1].index('"tiny"') + 5  # the é, after `"caf`
     for command in ("validate", "run"):
         lines = problem_lines(ftcore(command, str(plan)), str(plan))
-        assert len(lines) == 1 and lines[0].startswith(f"{plan}: not UTF-8 text"), lines
-        assert "at byte" in lines[0]
+        assert lines == [f"{plan}:{line}: not UTF-8 text at column {column} (byte 0xe9); save the plan as UTF-8"]
     assert snapshot(tmp_path) == before
+
+
+def test_plan_file_with_a_byte_order_mark_is_read(tmp_path):
+    plan = write_project(tmp_path)
+    plan.write_bytes(b"\xef\xbb\xbf" + BASE.encode())
+    r = ftcore("validate", str(plan))
+    assert r.returncode == 0, r.stderr
+    # and a position after the BOM is still counted from the first character
+    plan.write_bytes(b"\xef\xbb\xbf" + BASE.replace('"tiny"', '"caf\xe9"').encode("latin-1"))
+    line = next(i for i, text in enumerate(BASE.splitlines(), 1) if '"tiny"' in text)
+    column = BASE.splitlines()[line - 1].index('"tiny"') + 5
+    assert problem_lines(ftcore("validate", str(plan)), str(plan)) == \
+        [f"{plan}:{line}: not UTF-8 text at column {column} (byte 0xe9); save the plan as UTF-8"]
 
 
 # -- all at once, and --debug ----------------------------------------------------------------

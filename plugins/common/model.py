@@ -3,23 +3,43 @@ how many of its parameters train, and how to undo TRL's per-instance forward pat
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationInfo
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # org/name
+
+
 def resolve_model_path(value: str | None, info: ValidationInfo) -> str | None:
-    """A folder relative to the plan, if one is there; otherwise a hub id, left as is."""
+    """A folder relative to the plan, if one is there; otherwise a hub id (``org/name``), left as is.
+    Anything else (``x``, ``./x``, ``/x``, ``a/b/c``), or a hub id that offline mode (``HF_HUB_OFFLINE``)
+    could only take from an empty cache, is "no such folder" here rather than a hub lookup later."""
     if value is None:
         return None
     base = Path((info.context or {}).get("base_dir", "."))
     candidate = (base / Path(value).expanduser())
     if candidate.exists():
         return str(candidate.resolve())
-    if value.startswith((".", "/", "~")) or value.count("/") > 1:
-        raise ValueError(f"no such model folder: {candidate.resolve()}")
+    missing = f"no such folder: {candidate.resolve()}"
+    if not HUB_ID.fullmatch(value):
+        raise ValueError(missing + ("" if "/" in value else " (a Hugging Face id is written org/name)"))
+    if _offline() and not _in_hub_cache(value):
+        raise ValueError(f"{missing} (nor a model in the Hugging Face cache, and HF_HUB_OFFLINE is set)")
     return value
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return (Path(HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}").is_dir()
 
 
 def trainable_counts(model: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A finished run's model, rebuilt from its run directory, and answers from it, for ``ftcore chat`` and
 ``ftcore generate``.
 
-The model comes from the runner's own mechanism (``Runner._model_at``, what evaluators get as
+The model comes from the runner's own mechanism (``Runner.model_at``, what evaluators get as
 ``EvalContext.load_model``): the plan saved in ``manifest.json`` is rebuilt against the installed
 plugins, the base model is loaded by the plan's loader and each finished stage's saved output is
 restored on top. Exports are read from ``exports.json``. Answers are rendered with the plan's chat
@@ -159,7 +159,7 @@ class Run:
             return {"merged": self._merged, "adapter": self._adapter, "gguf": self._gguf}[exporter](export, path)
         stage = stage or self.final_stage()
         self.check_stage(stage)
-        model, tokenizer = self.runner._model_at(stage)
+        model, tokenizer = self.runner.model_at(stage)
         return TransformersModel(stage, _on_device(model), tokenizer, self.runner.template)
 
     def _merged(self, name: str, path: Path) -> Model:
@@ -172,20 +172,8 @@ class Run:
     def _adapter(self, name: str, path: Path) -> Model:
         """The adapter export restored, as the runner restores a stage's output, on the model it was
         trained on (rebuilt from the run's files)."""
-        from ftcore.runner import calling
-
-        final = self.final_stage()
-        stage = self.plan.stages[self.stages.index(final)]
-        marker = rundir.read_json(self.path / "stages" / final / rundir.COMPLETE) or {}
-        runner = self.runner
-        state = runner._materialize(int(marker.get("adapter_from", stage.index)) - 1)
-        model = state.model
-        if state.adapter is not None:
-            with calling(state.adapter, "merge"):
-                model = state.adapter.create().merge(model)
-        with calling(stage.adapter, "restore"):
-            model = stage.adapter.create().restore(model, path, runner._adapter_ctx())
-        return TransformersModel(f"export {name}", _on_device(model), state.tokenizer, runner.template)
+        model, tokenizer = self.runner.model_at(self.final_stage(), output=path)
+        return TransformersModel(f"export {name}", _on_device(model), tokenizer, self.runner.template)
 
     def _gguf(self, name: str, path: Path) -> Model:
         import importlib.util
@@ -207,7 +195,7 @@ def saved_plan(run_dir: Path, manifest: dict) -> tuple[Any, Any]:
     resolved against the plan file's folder as they were."""
     from ftcore.cli import plugins_with_warnings
     from ftcore.errors import PlanError
-    from ftcore.plan import _Checker, load_plan
+    from ftcore.plan import check_plan, load_plan
 
     pm, registry = plugins_with_warnings()
     plan_path = Path(manifest.get("plan_path") or run_dir / "plan.toml")
@@ -219,11 +207,7 @@ def saved_plan(run_dir: Path, manifest: dict) -> tuple[Any, Any]:
         if plan is not None and plan.fingerprint() == manifest.get("plan_fingerprint"):
             return plan, pm
     shown = f"{run_dir / rundir.MANIFEST} (the run's plan)"
-    checker = _Checker(shown, plan_path.parent, registry)
-    plan = checker.check(manifest["plan"], plan_path, {})
-    if checker.problems:
-        raise PlanError(checker.problems)
-    return plan, pm
+    return check_plan(manifest["plan"], plan_path, registry, shown=shown), pm
 
 
 def _on_device(model: Any) -> Any:

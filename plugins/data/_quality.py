@@ -33,7 +33,7 @@ class QualityOptions(Options):
     validation: float | int | None = None  # a share (0 < x < 1) or a row count held out for validation
     split_strategy: Literal["random", "stratified", "grouped"] = "random"
     split_by: str | None = None  # the column for stratified or grouped splits (list it in `keep` too)
-    seed: int = 42
+    seed: int = Field(42, ge=0)
 
     @model_validator(mode="after")
     def _split_needs_column(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Annotated
 
 from pydantic import Field
 
@@ -27,9 +28,9 @@ class MixSource(Component):
     name = "mix"
 
     class Options(Options):
-        sources: dict[str, float] = Field(min_length=1)  # data name (or name:split) -> weight
+        sources: dict[str, Annotated[float, Field(gt=0)]] = Field(min_length=1)  # data name (or name:split) -> weight
         rows: int | None = Field(None, gt=0)  # total rows; default: the most the weights allow without repeats
-        seed: int = 42
+        seed: int = Field(42, ge=0)
 
     def check(self, plan):
         problems = []

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import re
 
+from pydantic import Field
+
 import ftcore
 from ftcore.component import Options
+from ftcore.types import Tokens
 
 from ftcore_plugins.evaluators.generation import Generation, row_metrics
 
@@ -21,10 +24,10 @@ class ExactMatch(Generation):
     name = "exact_match"
 
     class Options(Options):
-        max_new_tokens: int = 32
-        batch_size: int = 16
+        max_new_tokens: Tokens = 32
+        batch_size: int = Field(16, ge=1, le=1 << 16)
         normalize: bool = True  # compare case- and whitespace-insensitively
-        limit: int | None = None  # score at most this many rows
+        limit: int | None = Field(None, ge=1)  # score at most this many rows
 
     def check(self, plan) -> list[str]:
         return []

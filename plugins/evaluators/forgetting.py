@@ -3,6 +3,8 @@ and after training, flagged when it rose by more than a threshold."""
 
 from __future__ import annotations
 
+from pydantic import Field
+
 import ftcore
 
 from ftcore_plugins.evaluators._baseline import model_ready_problems
@@ -15,7 +17,7 @@ class Forgetting(Perplexity):
     name = "forgetting"
 
     class Options(Perplexity.Options):
-        threshold: float = 0.05  # flag a relative perplexity increase above this (0.05 = 5%)
+        threshold: float = Field(0.05, ge=0)  # flag a relative perplexity increase above this (0.05 = 5%)
         # Compared with: "base" (the model as loaded) or a stage's name (the model right after it),
         # e.g. the pre-training stage when a plan pre-trains and then fine-tunes.
         baseline: str = "base"

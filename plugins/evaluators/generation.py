@@ -28,6 +28,7 @@ from pydantic import Field
 import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
+from ftcore.types import Tokens
 
 from ftcore_plugins.common.chat import prompt_text, stop_token_ids
 
@@ -185,7 +186,7 @@ class Generation(Component):
     name = "generation"
 
     class Options(Options):
-        max_new_tokens: int = Field(64, ge=1)
+        max_new_tokens: Tokens = 64
         batch_size: int = Field(16, ge=1)
         limit: int | None = Field(None, ge=1)  # score at most this many rows
         do_sample: bool = False  # greedy (or beam search) unless true
@@ -193,12 +194,12 @@ class Generation(Component):
         top_p: float | None = Field(None, gt=0, le=1)  # generation config
         top_k: int | None = Field(None, ge=0)
         num_beams: int = Field(1, ge=1)
-        seed: int = 0  # for sampling
+        seed: int = Field(0, ge=0)  # for sampling
         metrics: list[Metric] | None = None  # None: every metric, format only with a pattern
         pattern: str | None = None  # format compliance: the share of answers that re.fullmatch it
         bootstrap: int = Field(1000, ge=0)  # resamples for the confidence intervals; 0: none
         confidence: float = Field(0.95, gt=0, lt=1)
-        bootstrap_seed: int = 0
+        bootstrap_seed: int = Field(0, ge=0)
 
     def selected_metrics(self) -> list[str]:
         if self.options.metrics is not None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
+from ftcore.types import Tokens
 
 from ftcore_plugins.common.chat import IGNORE
 from ftcore_plugins.common.prepare import prepare
@@ -85,10 +86,10 @@ class Perplexity(Component):
     name = "perplexity"
 
     class Options(Options):
-        batch_size: int = 8
-        max_length: int = 512
+        batch_size: int = Field(8, ge=1, le=1 << 16)
+        max_length: Tokens = 512
         by_part: bool = False  # also report the prompt's tokens and the response's separately
-        length_buckets: list[int] = []  # upper bounds in tokens, e.g. [64, 256]: perplexity per row-length bucket
+        length_buckets: list[Tokens] = []  # upper bounds in tokens, e.g. [64, 256]: perplexity per row-length bucket
 
         @field_validator("length_buckets")
         @classmethod

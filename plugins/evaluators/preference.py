@@ -7,9 +7,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Literal
 
+from pydantic import Field
+
 import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
+from ftcore.types import Tokens
 
 from ftcore_plugins.common import reward_model as _reward_model
 from ftcore_plugins.common.preference import answer_logps, pair_metrics, render, tokenize
@@ -27,10 +30,10 @@ class Preference(Component):
         # reward model an earlier stage trained.
         method: Literal["logprob", "reward_model"] = "logprob"
         reference: str | None = None  # logprob: "base" or a stage name, for the implicit reward
-        beta: float = 0.1  # logprob with a reference: reward = beta * (log p - log p_ref)
+        beta: float = Field(0.1, gt=0)  # logprob with a reference: reward = beta * (log p - log p_ref)
         reward_model: str | None = None  # reward_model: the name of a finished `reward` stage
-        batch_size: int = 8
-        max_length: int = 512  # prompt + answer, in tokens; longer pairs are cut, pairs whose prompt fills it skipped
+        batch_size: int = Field(8, ge=1, le=1 << 16)
+        max_length: Tokens = 512  # prompt + answer, in tokens; longer pairs are cut, pairs whose prompt fills it skipped
 
     def check(self, plan) -> list[str]:
         o = self.options

@@ -38,20 +38,25 @@ class HFModelLoader(Component):
         o = self.options
         common = {"revision": o.revision, "trust_remote_code": o.trust_remote_code,
                   "token": o.token.get_secret_value() if o.token else None}
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(o.tokenizer or o.path, **common)
-            kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
-            if o.attn_implementation:
-                kwargs["attn_implementation"] = o.attn_implementation
-            model = AutoModelForCausalLM.from_pretrained(o.path, **common, **kwargs)
-        except OSError as exc:
-            local = Path(o.path).exists()
-            hint = "" if local else " (not a local folder, and the hub is unreachable or the id is wrong)"
-            raise FtcoreError(f"model.path: cannot load {o.path!r}{hint}: {str(exc).splitlines()[0]}") from exc
+        tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path,
+                               **common)
+        kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
+        if o.attn_implementation:
+            kwargs["attn_implementation"] = o.attn_implementation
+        model = self._load("path", AutoModelForCausalLM, o.path, **common, **kwargs)
         if tokenizer.pad_token is None:
             # Labels are built from spans, not from the pad mask, so pad == eos is safe here.
             tokenizer.pad_token = tokenizer.eos_token
         return model, tokenizer
+
+    @staticmethod
+    def _load(key: str, cls: type, where: str, **kwargs):
+        """``cls.from_pretrained(where)``, its failure one line naming the plan key that holds ``where``."""
+        try:
+            return cls.from_pretrained(where, **kwargs)
+        except OSError as exc:
+            hint = "" if Path(where).exists() else " (not a local folder, and the hub is unreachable or the id is wrong)"
+            raise FtcoreError(f"model.{key}: cannot load {where!r}{hint}: {str(exc).splitlines()[0]}") from exc
 
     def meta_model(self):
         """For ``ftcore estimate``: the model on the meta device (no weights read) and its config."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 import ftcore
 from ftcore.component import Component, Options
 from ftcore.types import InputPath
@@ -20,17 +22,17 @@ class ScratchModelLoader(Component):
 
     class Options(Options):
         architecture: str = "llama"  # a transformers model_type: llama, mistral, qwen2, qwen3, ...
-        hidden_size: int = 64
-        num_layers: int = 2
-        num_heads: int = 4
-        num_kv_heads: int | None = None
-        intermediate_size: int | None = None  # defaults to 4 x hidden_size
-        max_position_embeddings: int = 512
+        hidden_size: int = Field(64, ge=1, le=65536)
+        num_layers: int = Field(2, ge=1, le=1024)
+        num_heads: int = Field(4, ge=1, le=1024)
+        num_kv_heads: int | None = Field(None, ge=1, le=1024)
+        intermediate_size: int | None = Field(None, ge=1, le=1 << 20)  # defaults to 4 x hidden_size
+        max_position_embeddings: int = Field(512, ge=1, le=1 << 24)
         tie_word_embeddings: bool = True
         config: dict[str, Any] = {}  # any further config fields, passed as is
         tokenizer: InputPath | None = None  # use an existing tokenizer folder ...
         tokenizer_data: list[str] = []  # ... or train one on these [data.*] entries
-        vocab_size: int = 2048
+        vocab_size: int = Field(2048, ge=1, le=1 << 22)
         special_tokens: list[str] = ["<|im_start|>", "<|im_end|>"]
 
     def check(self, plan) -> list[str]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import ftcore
+from pydantic import Field
 
+import ftcore
 from ftcore_plugins.quantizers._bnb import BnbOptions, BnbQuantizer
 
 
@@ -14,7 +15,7 @@ class Int8Quantizer(BnbQuantizer):
     bits = 8
 
     class Options(BnbOptions):
-        llm_int8_threshold: float = 6.0  # activations above this go through an fp16 outlier matmul
+        llm_int8_threshold: float = Field(6.0, ge=0)  # activations above this go through an fp16 outlier matmul
 
     def bnb_config(self):
         from transformers import BitsAndBytesConfig

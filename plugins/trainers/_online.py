@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import Field
 
 from ftcore.errors import FtcoreError
-from ftcore.types import RewardRef, StageRef
+from ftcore.types import LearningRate, RewardRef, StageRef
 
 from ftcore_plugins.trainers._training import TrainOptions, run_trainer, training_problems
 
@@ -29,7 +29,7 @@ class OnlineOptions(TrainOptions):
     epsilon: float = Field(0.2, gt=0)  # clipping of the policy ratio
     epsilon_high: float | None = Field(None, gt=0)  # upper clip (default: epsilon)
     mask_truncated_completions: bool = False  # leave completions cut at max_completion_length out of the loss
-    learning_rate: float = 1e-6  # TRL's default for online RL
+    learning_rate: LearningRate = 1e-6  # TRL's default for online RL
     logging_steps: int = Field(1, ge=1)  # the mean reward of every step
     # The policy loss hovers around 0 with either sign: no spikes to watch for unless asked.
     guard_spike_factor: float | None = Field(None, gt=1)

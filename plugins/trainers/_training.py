@@ -9,17 +9,18 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ftcore.component import Options
+from ftcore.types import LearningRate, Tokens
 
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
 
 
 class TrainOptions(Options):
-    epochs: float = Field(1.0, gt=0)
-    max_steps: int = -1  # overrides epochs when > 0
-    learning_rate: float = Field(2e-4, ge=0)
-    batch_size: int = Field(8, ge=1)
-    gradient_accumulation_steps: int = Field(1, ge=1)  # the loss is normalised by the tokens of all micro-batches
-    max_length: int = Field(512, ge=1)
+    epochs: float = Field(1.0, gt=0, le=10_000)
+    max_steps: int = Field(-1, ge=-1, le=1 << 31)  # overrides epochs when > 0
+    learning_rate: LearningRate = 2e-4
+    batch_size: int = Field(8, ge=1, le=1 << 16)
+    gradient_accumulation_steps: int = Field(1, ge=1, le=1 << 16)  # the loss is normalised by the tokens of all micro-batches
+    max_length: Tokens = 512
     lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
     warmup_ratio: float = Field(0.0, ge=0, lt=1)  # share of the steps spent warming up
     warmup_steps: int = Field(0, ge=0)  # or a number of steps

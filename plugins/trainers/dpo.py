@@ -7,6 +7,7 @@ from pydantic import Field, field_validator, model_validator
 
 import ftcore
 from ftcore.component import Component
+from ftcore.types import LearningRate
 
 from ftcore_plugins.trainers._preference import check_data, train_against_reference
 from ftcore_plugins.trainers._training import TrainOptions
@@ -22,7 +23,7 @@ class DPOTrainer(Component):
     name = "dpo"
 
     class Options(TrainOptions):
-        learning_rate: float = 5e-6  # DPO moves a trained policy a little: 5e-7..5e-6 full, ~5e-6..5e-5 LoRA
+        learning_rate: LearningRate = 5e-6  # DPO moves a trained policy a little: 5e-7..5e-6 full, ~5e-6..5e-5 LoRA
         beta: float = Field(0.1, gt=0)  # how far from the reference the policy may move (higher: less)
         loss_type: str | list[str] = "sigmoid"  # one of LOSS_TYPES, or several combined with loss_weights
         loss_weights: list[float] | None = None

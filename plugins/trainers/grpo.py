@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 import ftcore
 from ftcore.component import Component
 
@@ -18,7 +20,7 @@ class GRPOTrainer(Component):
     name = "grpo"
 
     class Options(OnlineOptions):
-        beta: float = 0.0  # KL coefficient; 0 loads no reference model
+        beta: float = Field(0.0, ge=0)  # KL coefficient; 0 loads no reference model
         loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
         scale_rewards: Literal["group", "batch", "none"] = "group"  # divide advantages by the reward std
         importance_sampling_level: Literal["token", "sequence"] = "token"  # "sequence": GSPO

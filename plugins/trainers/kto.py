@@ -10,6 +10,7 @@ from pydantic import Field
 
 import ftcore
 from ftcore.component import Component
+from ftcore.types import LearningRate
 
 from ftcore_plugins.trainers._preference import check_data, train_against_reference
 from ftcore_plugins.trainers._training import TrainOptions
@@ -23,7 +24,7 @@ class KTOTrainer(Component):
     name = "kto"
 
     class Options(TrainOptions):
-        learning_rate: float = 5e-6
+        learning_rate: LearningRate = 5e-6
         beta: float = Field(0.1, gt=0)
         loss_type: Literal["kto", "apo_zero_unpaired"] = "kto"
         desirable_weight: float = Field(1.0, gt=0)  # weigh up the rarer label: see docs/trainers.md

@@ -11,6 +11,7 @@ from pydantic import Field
 import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
+from ftcore.types import LearningRate
 
 from ftcore_plugins.common.preference import answer_logps, pair_metrics, render
 from ftcore_plugins.trainers._preference import check_data, length_report, periodic_evaluation, require_data
@@ -23,7 +24,7 @@ class ORPOTrainer(Component):
     name = "orpo"
 
     class Options(TrainOptions):
-        learning_rate: float = 5e-6  # the ORPO paper: 5e-6..8e-6 full fine-tuning
+        learning_rate: LearningRate = 5e-6  # the ORPO paper: 5e-6..8e-6 full fine-tuning
         beta: float = Field(0.1, gt=0)  # lambda in the paper: weight of the odds-ratio term against the SFT loss
 
     def check(self, plan):

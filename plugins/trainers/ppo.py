@@ -15,7 +15,7 @@ from pydantic import Field
 import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
-from ftcore.types import RewardRef, StageRef
+from ftcore.types import LearningRate, RewardRef, StageRef
 
 from ftcore_plugins.common.model import trainable_counts
 from ftcore_plugins.trainers._training import TrainOptions, resolve_precision, training_problems
@@ -35,7 +35,7 @@ class PPOTrainer(Component):
         reward: list[RewardRef] = []  # [reward.<name>] functions, summed (weighted by reward_weights)
         reward_weights: list[float] | None = None
         reward_model: StageRef | None = None  # or: an earlier stage that trained a reward model
-        learning_rate: float = 1e-5
+        learning_rate: LearningRate = 1e-5
         logging_steps: int = Field(1, ge=1)
         total_episodes: int | None = Field(None, gt=0)  # prompts to roll out; else epochs x prompts
         max_new_tokens: int = Field(32, ge=1)
@@ -52,7 +52,7 @@ class PPOTrainer(Component):
         gamma: float = Field(1.0, ge=0, le=1)
         lam: float = Field(0.95, ge=0, le=1)
         whiten_advantages: bool = True
-        missing_eos_penalty: float | None = None  # subtracted from the score of a completion with no stop token
+        missing_eos_penalty: float | None = Field(None, ge=0)  # subtracted from the score of a completion with no stop token
 
     def check(self, plan) -> list[str]:
         o = self.options

@@ -8,6 +8,7 @@ from typing import Any
 
 import ftcore
 from ftcore.errors import FtcoreError
+from ftcore.types import LearningRate
 
 from ftcore_plugins.trainers._training import TrainOptions, tokenize_splits
 from ftcore_plugins.trainers.sft import SFT
@@ -16,7 +17,7 @@ from ftcore_plugins.trainers.sft import SFT
 class PretrainOptions(TrainOptions):
     """The ``pretrain`` stage's options: the shared training options, with a higher learning rate."""
 
-    learning_rate: float = 1e-3
+    learning_rate: LearningRate = 1e-3
 
 
 class Pretrain(SFT):

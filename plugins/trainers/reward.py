@@ -14,6 +14,7 @@ from pydantic import Field
 import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
+from ftcore.types import LearningRate
 
 from ftcore_plugins.common.preference import pair_metrics, render
 from ftcore_plugins.trainers._preference import check_data, length_report, periodic_evaluation, require_data
@@ -29,7 +30,7 @@ class RewardTrainer(Component):
     trains_policy = False
 
     class Options(TrainOptions):
-        learning_rate: float = 1e-5  # full fine-tuning; LoRA usually wants ~1e-4
+        learning_rate: LearningRate = 1e-5  # full fine-tuning; LoRA usually wants ~1e-4
         center_rewards_coefficient: float | None = Field(None, ge=0)  # pulls the mean reward to 0 (e.g. 0.01)
 
     def check(self, plan):

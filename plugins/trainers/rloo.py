@@ -3,6 +3,8 @@ functions and/or an earlier reward-model stage."""
 
 from __future__ import annotations
 
+from pydantic import Field
+
 import ftcore
 from ftcore.component import Component
 
@@ -16,7 +18,7 @@ class RLOOTrainer(Component):
     name = "rloo"
 
     class Options(OnlineOptions):
-        beta: float = 0.05  # KL penalty subtracted from the reward; 0 loads no reference model
+        beta: float = Field(0.05, ge=0)  # KL penalty subtracted from the reward; 0 loads no reference model
         normalize_advantages: bool = False  # scale advantages to mean 0, std 1 per generation batch
 
     def check(self, plan) -> list[str]:

@@ -16,7 +16,7 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
+from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
 
 class SFTOptions(TrainOptions):
@@ -58,7 +58,8 @@ class SFT(TrainChecks, TrainerMemory, Component):
         ctx.train_data, ctx.eval_data = chosen_as_chat(ctx.train_data), chosen_as_chat(ctx.eval_data)
         columns = set(ctx.train_data.column_names)
         if "messages" not in columns and not {"prompt", "completion"} <= columns:
-            raise FtcoreError(f"stage {ctx.stage}: trainer '{self.name}' needs chat rows (messages, Alpaca, "
+            raise FtcoreError(f"{data_origin(ctx, 'train')[0]}: trainer '{self.name}' (stage {ctx.stage}) needs "
+                              "chat rows (messages, Alpaca, "
                               f"ShareGPT, ...) or prompt/completion rows; this data has {', '.join(sorted(columns))}"
                               + ("; for plain text use trainer = \"pretrain\"" if "text" in columns else ""))
         return tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,

@@ -131,3 +131,6 @@ class ExportContext:
     # The model the live adapter was applied to, rebuilt at full precision (the quantizer skipped),
     # so a QLoRA adapter is merged into full-precision weights, never into 4-bit ones.
     load_full_precision_base: Callable[[], Any] | None = None
+    # Where the export ends up: ``path`` is a hidden folder next to it, renamed into place when the export
+    # returns. Name this one in what the export writes (a model card's loading snippet).
+    final_path: Path | None = None

@@ -42,9 +42,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def unknown_choice(what: str, word: str, choices: Iterable[str]) -> str:
+def unknown_choice(what: str, word: str, choices: Iterable[str], none: str = "none installed") -> str:
     """``unknown trainer 'sfft'; did you mean 'sft'? Available: pretrain, sft``"""
     choices = sorted(set(choices))
-    available = ", ".join(choices) if choices else "none installed"
+    available = ", ".join(choices) if choices else none
     hint = did_you_mean(word, choices)
     return f"unknown {what} {word!r}{hint} {'Available' if hint else '; available'}: {available}".replace(" ;", ";")

@@ -338,6 +338,7 @@ class _Checker:
             if sel:
                 data[name] = sel
         data_names = set(data_table)
+        data_readable = isinstance(raw.get("data", {}), dict)  # else references to it say nothing new
 
         rewards: dict[str, Selected] = {}
         reward_table = self.table(raw, "reward") or {}
@@ -360,8 +361,9 @@ class _Checker:
                 return None
             name, _, split = ref.partition(":")
             if name not in data_names:
-                self.problem(path, unknown_choice("data", name, data_names).replace("unknown data", "undefined data")
-                             + (" (define it as [data.%s])" % name))
+                if data_readable:
+                    self.problem(path, unknown_choice("data", name, data_names, none="none defined")
+                                 .replace("unknown data", "undefined data") + (" (define it as [data.%s])" % name))
             elif split and name in data:
                 splits = _splits(data[name])
                 if split not in splits:

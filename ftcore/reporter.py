@@ -60,6 +60,7 @@ class Reporter:
         self._pm = pm  # calls ftcore_log on plugins, main rank only
         self._run = run
         self._errors: Any | None = None  # a console on stderr, for warnings
+        self.attempt = 1  # which start of the run this process is: 1, then one more per --resume
 
     def info(self, message: str) -> None:
         log.info(_plain(message))
@@ -106,7 +107,8 @@ class Reporter:
         """Record metrics: one line in metrics.jsonl and a ``ftcore_log`` hook call."""
         clean = {k: _number(v) for k, v in metrics.items()}
         if self.metrics_path is not None:
-            record = {"time": round(time.time(), 3), "stage": stage, "step": step, **clean}
+            # "attempt" tells apart the steps a resumed run redid after its checkpoint: readers keep the last.
+            record = {"time": round(time.time(), 3), "stage": stage, "step": step, "attempt": self.attempt, **clean}
             with self.metrics_path.open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
         if self._pm is not None:

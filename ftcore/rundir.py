@@ -80,6 +80,35 @@ def trained_anything(run_dir: Path) -> bool:
         return True  # unreadable: keep it
 
 
+def stored_path(run_dir: Path, path: Path | str) -> str:
+    """How a run's records store ``path``: relative to the run folder when inside it, so that a copied or
+    moved run still finds its files; absolute otherwise."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(Path(run_dir).resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def stored(run_dir: Path, value: str) -> Path:
+    """A path as :func:`stored_path` stored it, made usable again (relative: under ``run_dir``)."""
+    path = Path(value)
+    return path if path.is_absolute() else Path(run_dir) / path
+
+
+def replace_atomically(partial: Path, final: Path) -> None:
+    """Put the finished ``partial`` (a file or folder, next to ``final``) at ``final``, so that ``final``
+    is always either the old complete thing or the new complete one, never half of either. A previous
+    ``final`` (an export being redone) is moved aside first and deleted after."""
+    old = None
+    if final.exists() or final.is_symlink():
+        old = final.with_name(f".{final.name}.replaced-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(partial, final)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as fh:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ class Runner:
         if note:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
+        self.reporter.attempt = 1 + len(manifest.get("resumed_at", []))
         try:
             self._start_trackers()
             self._notify("ftcore_run_start", run=self.info)
@@ -338,18 +340,34 @@ class Runner:
 
     def _export(self, export: Any, state: ModelState) -> None:
         path = self.export_path(export)
+        # Written under a hidden name next to its place and renamed into place once complete: a killed
+        # export leaves no partial folder under the final name (a leftover partial is replaced next time).
+        partial = path.with_name(f".{path.name}.partial")
         with self._step(f"export:{export.name}"):
             ctx = ExportContext(self.info, self.reporter, state.model, state.tokenizer, self.template,
-                                state.adapter.create() if state.adapter else None, path, export.name,
+                                state.adapter.create() if state.adapter else None, partial, export.name,
                                 provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
-                                load_full_precision_base=lambda: self._full_precision_base(state))
+                                load_full_precision_base=lambda: self._full_precision_base(state),
+                                final_path=path)
             if self.info.is_main:
+                if partial.is_dir() and not partial.is_symlink():
+                    shutil.rmtree(partial)
+                elif partial.exists() or partial.is_symlink():
+                    partial.unlink()
+                path.parent.mkdir(parents=True, exist_ok=True)
                 with calling(export.exporter, "export"):
-                    artifact = export.exporter.create().export(ctx)
-                self.exports[export.name] = str(artifact or path)
+                    artifact = Path(export.exporter.create().export(ctx) or partial)
+                if not (partial.exists() or partial.is_symlink()):
+                    raise ComponentError(f"exporter '{export.exporter.name}' from {export.exporter.reg.who()} wrote "
+                                         f"nothing at the path it was given [{export.exporter.key}]")
+                rundir.replace_atomically(partial, path)
+                if artifact == partial or partial in artifact.parents:
+                    artifact = path / artifact.relative_to(partial)
+                self.exports[export.name] = str(artifact)
                 done = rundir.read_json(self.run_dir / "exports.json") or {}
-                rundir.write_json(self.run_dir / "exports.json", {**done, export.name: str(artifact or path)})
-                self.reporter.info(f"exported [bold]{export.name}[/] to {artifact or path}")
+                rundir.write_json(self.run_dir / "exports.json",
+                                  {**done, export.name: rundir.stored_path(self.run_dir, artifact)})
+                self.reporter.info(f"exported [bold]{export.name}[/] to {artifact}")
 
     def _phase_order(self) -> list[str]:
         return phase_order([s.name for s in self.plan.stages])
@@ -442,7 +460,7 @@ class Runner:
     def _export_done(self, export: Any) -> bool:
         done = rundir.read_json(self.run_dir / "exports.json") or {}
         if export.name in done and self.resume:
-            self.exports[export.name] = done[export.name]
+            self.exports[export.name] = str(rundir.stored(self.run_dir, done[export.name]))
             return True
         return False
 

@@ -237,7 +237,7 @@ def _run_dir(args: tuple[str, ...], cwd: Path | None) -> Path | None:
 
 
 def run_ftcore(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
-               in_process: bool = False, timeout: float = 1800) -> RunResult:
+               in_process: bool = False, timeout: float = 3600) -> RunResult:
     """Run ``ftcore ARGS`` and return a :class:`RunResult`: in a subprocess (``python -m ftcore``,
     as a user would; ``env`` adds to the environment), or with ``in_process`` through
     ``ftcore.cli.main`` in this interpreter (faster; output captured; ``env`` set for the call).
@@ -275,7 +275,7 @@ def start_ftcore(*args: str | Path, cwd: Path | None = None, env: dict[str, str]
                             text=True)
 
 
-def wait_until(proc: subprocess.Popen, ready: Callable[[], Any], timeout: float = 600) -> None:
+def wait_until(proc: subprocess.Popen, ready: Callable[[], Any], timeout: float = 3600) -> None:
     """Poll ``ready()`` until it is true; fail the test if ``proc`` ends first (or on a hang)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

@@ -275,7 +275,7 @@ def test_cli_prints_the_one_line(tmp_path):
     plan.write_text('[run]\nname = "bad"\n[model]\nuse = "scratch"\ntokenizer_data = ["train"]\n'
                     f'[data.train]\nuse = "json"\npath = "{path}"\n[[stage]]\ntrainer = "sft"\ndata = "train"\n',
                     encoding="utf-8")
-    result = run_cli("run", str(plan), env={"HF_DATASETS_CACHE": str(tmp_path / "cache")}, timeout=120)
+    result = run_cli("run", str(plan), env={"HF_DATASETS_CACHE": str(tmp_path / "cache")}, timeout=3600)
     assert result.returncode == 2, result.stderr
     assert result.stderr.splitlines() == [
         "error: data.train: data/x.jsonl:2: invalid JSON: Expecting ',' delimiter (column 21)"]

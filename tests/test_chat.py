@@ -49,7 +49,7 @@ class Terminal:
     def screen(self):
         return self.tmux("capture-pane", "-p", "-t", "t", "-S", "-1000")
 
-    def wait(self, pattern, after=0, timeout=600):
+    def wait(self, pattern, after=0, timeout=3600):
         """The screen once ``pattern`` matches after its first ``after`` characters (generous timeout:
         it only catches a hang)."""
         deadline = time.monotonic() + timeout
@@ -137,7 +137,7 @@ def test_chat_reads_a_script_from_stdin(quickstart_run):
     """Without a terminal too: each line a message or a command, the end of input ends the chat."""
     script = f"{FIRST}\n/system Answer briefly.\n/nope\n/exit\n"
     result = subprocess.run([sys.executable, "-m", "ftcore", "chat", str(quickstart_run), "--export", "merged"],
-                            input=script, capture_output=True, text=True, timeout=600)
+                            input=script, capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "export merged" in out and "(system prompt set; conversation cleared)" in out

@@ -153,7 +153,7 @@ data = "chat_eval"
 when = "both"
 """)
     run = subprocess.run([sys.executable, "-m", "ftcore", "run", str(plan)], capture_output=True, text=True,
-                         cwd=tiny_project.dir, timeout=1800)
+                         cwd=tiny_project.dir, timeout=3600)
     assert run.returncode == 0, run.stderr
     with installed(EXAMPLE, "ftcore-example-command", tmp_path):
         r = ftcore_cli("--help", cwd=tmp_path)

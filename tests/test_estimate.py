@@ -81,7 +81,7 @@ def test_a_hub_id_that_is_not_cached_is_not_downloaded(tmp_path):
     plan = tmp_path / "hub.toml"
     plan.write_text('[model]\nuse = "hf"\npath = "nobody-ftcore/not-a-model"\n\n[data.chat]\nuse = "jsonl"\n'
                     'path = "chat.jsonl"\n\n[[stage]]\ntrainer = "sft"\ndata = "chat"\n')
-    result = run_cli("estimate", str(plan), env={"HF_HOME": str(tmp_path / "empty-hf-home")}, timeout=300)
+    result = run_cli("estimate", str(plan), env={"HF_HOME": str(tmp_path / "empty-hf-home")}, timeout=3600)
     assert result.returncode == 2, result.stderr
     assert "estimate never downloads" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 

@@ -70,7 +70,7 @@ def test_killed_focal_sft_run_resumes_with_the_same_losses(example_installed, tm
 def test_the_example_packages_own_tests_pass(example_installed, tmp_path):
     """Its tests use ftcore.testing's fixtures only through the pytest11 plugin ftcore installs."""
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLE / "tests")],
-                       cwd=EXAMPLE, capture_output=True, text=True, timeout=1800,
+                       cwd=EXAMPLE, capture_output=True, text=True, timeout=3600,
                        env={**os.environ, **ONE_THREAD, "PYTHONDONTWRITEBYTECODE": "1"})
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "4 passed" in r.stdout, r.stdout[-2000:]  # the plan test too: the package is installed

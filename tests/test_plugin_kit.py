@@ -246,6 +246,33 @@ def test_evaluator_sees_its_evaluation_name_and_its_failure_names_it(tmp_path):
             "[evaluation 'boom', evaluate[0]]: ValueError: ctx.name is boom") in r.stderr
 
 
+@pytest.mark.slow
+def test_evaluator_failure_keeps_the_trained_stage_and_resume_reruns_only_the_evaluation(tmp_path):
+    site = tmp_path / "site"
+    body = ("import os\n        if os.environ.get('CRASH'): raise RuntimeError('scorer offline')\n"
+            "        return {'score': 1.0}")
+    add_dist(site, "flaky-dist", {"flaky_mod": component_module("register_evaluators", "Flaky", "flaky", "evaluate",
+                                                                body)}, {"flaky": "flaky_mod"})
+    plan = write_plan(tmp_path, evaluate='[[evaluate]]\nname = "judge"\nuse = "flaky"\nwhen = "after"\n',
+                      run_name="flaky")
+    r = ftcore_cli("run", str(plan), cwd=tmp_path, site=site, env={"CRASH": "1"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: evaluator 'flaky' from plugin 'flaky' (flaky-dist 1.0) failed in evaluate() "
+                      "[evaluation 'judge', evaluate[0]]: RuntimeError: scorer offline"]
+    run = tmp_path / "runs" / "flaky"
+    marker = run / "stages" / "sft" / "COMPLETE.json"
+    assert marker.exists() and (run / "stages" / "sft" / "output").is_dir()
+    trained = marker.read_bytes()
+
+    r = ftcore_cli("run", str(plan), "--resume", cwd=tmp_path, site=site)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stage sft is complete: restored its output" in r.stdout
+    assert "train sft" not in r.stdout and marker.read_bytes() == trained  # not trained again
+    assert json.loads((run / "evaluations" / "after.json").read_text())["judge"] == {"score": 1.0}
+    assert json.loads((run / "manifest.json").read_text())["status"] == "complete"
+
+
 # -- the example package, installed --------------------------------------------------------------
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def {hook}(register):
 
 
 def ftcore_cli(*args: str, cwd: Path, site: Path | None = None, env: dict[str, str] | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
+               timeout: float = 3600) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FTCORE_") and k != "PYTHONPATH"}
     if site is not None:
         clean["PYTHONPATH"] = str(site)

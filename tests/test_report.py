@@ -256,9 +256,29 @@ def test_artifact_sizes_equal_the_real_folder_sizes(runs):
     assert rows == html_tables(runs.dir / "report.html").tables["Artifacts"][1:]
     sizes = {(kind, name): int(re.search(r"([\d,]+) bytes\)?$", size).group(1).replace(",", ""))
              for kind, name, _, size in rows}
-    expected = {("export", "adapter"): folder_bytes(Path(exports["adapter"]))}
+    assert exports == {"adapter": "exports/adapter"}  # relative to the run folder, which may move
+    expected = {("export", "adapter"): folder_bytes(runs.dir / exports["adapter"])}
     expected |= {("stage output", s): folder_bytes(runs.dir / "stages" / s / "output") for s in ("pretrain", "sft")}
     assert sizes == expected and all(v > 0 for v in expected.values())
+
+
+def test_a_moved_run_reports_its_own_files(runs, tmp_path):
+    from ftcore_plugins.commands.report import artifacts, read_run
+
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(runs.dir, moved)
+    found = {(a["kind"], a["name"]): (a["path"], a["bytes"]) for a in artifacts(read_run(moved))}
+    assert found[("export", "adapter")] == (moved / "exports" / "adapter",
+                                            folder_bytes(runs.dir / "exports" / "adapter"))
+
+
+def test_a_file_export_counts_the_files_that_belong_to_it(tmp_path):
+    from ftcore_plugins.commands.report import path_size
+
+    (tmp_path / "model.onnx").write_bytes(b"x" * 10)
+    (tmp_path / "model.onnx.data").write_bytes(b"x" * 1000)  # ONNX's external weights
+    (tmp_path / "model.onnx_other").write_bytes(b"x" * 7)  # not one of them
+    assert path_size(tmp_path / "model.onnx") == 1010
 
 
 def test_time_per_step_and_run_facts_come_from_the_run_files(runs):
@@ -305,7 +325,7 @@ def test_report_command_regenerates_the_report_without_torch(runs):
             "print(json.dumps({'code': code, 'heavy': sorted(m for m in ('torch', 'transformers') "
             "if m in sys.modules)}))")
     result = subprocess.run([sys.executable, "-c", code, "report", str(run)], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)
+                            timeout=3600, cwd=ROOT)
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out == {"code": 0, "heavy": []}, result.stderr
     assert f"wrote {run / 'report.html'} and {run / 'report.md'}" in result.stdout

@@ -15,13 +15,13 @@ from ftcore.testing import TINY_PLAN, RecordingReporter, to_toml, write_plan
 
 def test_importing_it_loads_no_torch_and_pytest_finds_its_fixtures(tmp_path):
     code = "import sys, ftcore.testing; print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)  # only catches a hang
     assert r.stdout.strip() == "[]", r.stderr
     # A bare project with no conftest: the fixtures come from the pytest11 entry point alone.
     (tmp_path / "test_bare.py").write_text(
         "def test_plan(ftcore_plan):\n    assert ftcore_plan().name == 'plan.toml'\n")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=3600)
     assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout + r.stderr
 
 

@@ -82,6 +82,7 @@ def read_run(run_dir: Path | str) -> RunFiles:
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's metric records; of a step that a resumed run redid, only the last attempt's."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -91,7 +92,25 @@ def _records(run_dir: Path) -> list[dict[str, Any]]:
             records.append(json.loads(line))
         except ValueError:  # a run killed mid-write leaves half a line
             continue
-    return records
+    return latest_attempts(records)
+
+
+def latest_attempts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` without those of a training step that a later attempt (``--resume``) logged again.
+    Records without ``attempt`` (written before ftcore recorded it) are all kept, as they were."""
+    last: dict[tuple[Any, Any], int] = {}
+    for i, r in enumerate(records):
+        if r.get("step") is not None:
+            key = (r.get("stage"), r["step"])
+            if r.get("attempt", 1) >= records[last[key]].get("attempt", 1) if key in last else True:
+                last[key] = i
+    keep_attempt = {key: records[i].get("attempt", 1) for key, i in last.items()}
+    out = []
+    for r in records:
+        key = (r.get("stage"), r.get("step"))
+        if r.get("step") is None or r.get("attempt", 1) == keep_attempt[key]:
+            out.append(r)
+    return out
 
 
 def _evaluations(run_dir: Path, stages: list[str]) -> dict[str, dict[str, Any]]:
@@ -183,7 +202,8 @@ def _cell(v: Any) -> Any:
 
 def artifacts(run: RunFiles) -> list[dict[str, Any]]:
     """Exports and stage outputs with their sizes in bytes (a folder counts every file under it)."""
-    found = [{"kind": "export", "name": name, "path": Path(path)} for name, path in run.exports.items()]
+    found = [{"kind": "export", "name": name, "path": rundir.stored(run.run_dir, path)}
+             for name, path in run.exports.items()]
     found += [{"kind": "stage output", "name": name, "path": run.run_dir / "stages" / name / "output"}
               for name in run.markers]
     for item in found:
@@ -192,8 +212,9 @@ def artifacts(run: RunFiles) -> list[dict[str, Any]]:
 
 
 def path_size(path: Path) -> int | None:
-    if path.is_file():
-        return path.stat().st_size
+    if path.is_file():  # with the files that belong to it: ONNX's external weights, model.onnx.data
+        return sum(p.stat().st_size for p in path.parent.glob(f"{path.name}*")
+                   if p.is_file() and (p == path or p.name.startswith(path.name + ".")))
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
     return None

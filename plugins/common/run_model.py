@@ -143,8 +143,8 @@ class Run:
             raise FtcoreError(f"{self.shown}: export {name!r} is a {exporter!r} export; chat and generate serve "
                               f"{', '.join(SERVED_EXPORTS)} exports")
         written = (rundir.read_json(self.path / "exports.json") or {}).get(name)
-        path = Path(written) if written else Path(entries[name]["path"])
-        with contextlib.suppress(ValueError):  # inside the run folder, which may have moved since
+        path = rundir.stored(self.path, written) if written else Path(entries[name]["path"])
+        with contextlib.suppress(ValueError):  # an absolute path inside the run folder, which may have moved
             path = self.path / path.relative_to(self.plan.run_dir)
         if not written or not path.exists():
             raise FtcoreError(f"{self.shown}: export {name!r} was not written ({path} is missing); "

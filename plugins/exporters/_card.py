@@ -41,6 +41,11 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
     return path
 
 
+def final_path(ctx: Any) -> Path:
+    """Where the export will be once complete (it is written to a hidden folder beside it first)."""
+    return Path(getattr(ctx, "final_path", None) or ctx.path)
+
+
 def base_model_id(section: dict[str, Any]) -> str | None:
     """The hub id or folder the plan's ``[model]`` loaded (``hf``'s ``path``); None for a model made from scratch."""
     path = section.get("path")

@@ -6,7 +6,7 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.exporters._card import write_card
+from ftcore_plugins.exporters._card import final_path, write_card
 
 USAGE = """
 from peft import PeftModel
@@ -43,7 +43,7 @@ class AdapterExporter(Component):
         config = ctx.model.peft_config[ctx.model.active_adapter]
         base = config.base_model_name_or_path or "path/to/base-model"
         write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
-                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=ctx.path))
+                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=final_path(ctx)))
         return ctx.path
 
 

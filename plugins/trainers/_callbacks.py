@@ -8,12 +8,13 @@ its own loop (PPO) uses the same pieces; the ``TrainerCallback`` factories plug 
 from __future__ import annotations
 
 import math
-import os
 import re
 import shutil
 import signal
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +74,12 @@ def rotate_checkpoints(folder: Path, keep: int | None, protect: Path | str | Non
     return deleted
 
 
-def checkpoint_keeper(save_total_limit: int | None, save_each_evaluation: bool = False):
+def checkpoint_keeper(save_total_limit: int | None, save_each_evaluation: bool = False,
+                      totals: StageTotals | None = None):
     """A callback that marks each checkpoint the Trainer saved, then rotates the folder (keeping the
     best by the Trainer's ``best_model_checkpoint``). ``save_each_evaluation`` saves a checkpoint at
-    every evaluation, so the best one by eval loss is always on disk."""
+    every evaluation, so the best one by eval loss is always on disk. ``totals`` are saved into each
+    checkpoint before it is marked, so a resumed stage reports totals over all its steps."""
     from transformers import TrainerCallback
 
     class CheckpointKeeper(TrainerCallback):
@@ -92,6 +95,8 @@ def checkpoint_keeper(save_total_limit: int | None, save_each_evaluation: bool =
                 return
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if folder.is_dir():
+                if totals is not None:
+                    totals.save(folder)
                 mark_checkpoint(folder, state.global_step)
                 rotate_checkpoints(Path(args.output_dir), save_total_limit, state.best_model_checkpoint)
 
@@ -102,7 +107,10 @@ def checkpoint_keeper(save_total_limit: int | None, save_each_evaluation: bool =
 class GracefulStop:
     """While active, SIGINT and SIGTERM only ask for a stop (``requested``); the training loop stops
     at the end of its current step, saves a checkpoint and raises :meth:`interrupted`. A second
-    signal kills the process at once. Use as a context manager around the training loop:
+    signal stops at once, without a checkpoint: it raises :class:`Interrupted` wherever the loop is,
+    so the run still records itself as interrupted and ``--resume`` continues from the last marked
+    checkpoint (a save it cut short is unmarked, and skipped). ``stage``, ``checkpoints`` (the folder)
+    and ``plan_path`` go into that message. Use as a context manager around the training loop:
 
         with GracefulStop() as stop:
             for step in ...:
@@ -112,20 +120,27 @@ class GracefulStop:
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self):
+    def __init__(self, stage: str | None = None, checkpoints: Path | None = None, plan_path: Any = None):
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self.stage, self.checkpoints, self.plan_path = stage, checkpoints, plan_path
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     def _handle(self, signum, frame):
-        if self.signum is not None:  # the second signal: no more waiting
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if self.signum is None:
+            self.signum = signum
             return
-        self.signum = signum
+        # The second signal: no more waiting. A third while this one unwinds gets the default action.
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        last = newest_checkpoint(self.checkpoints) if self.checkpoints else None
+        where = f"resume continues from {last}" if last else "no checkpoint was saved yet"
+        raise Interrupted(f"{'stage ' + self.stage + ': ' if self.stage else ''}{signal.Signals(signum).name} "
+                          f"again: stopped at once, without a checkpoint; {where}; resume with: ftcore run "
+                          f"{self.plan_path or '<plan>'} --resume", 128 + signum)
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -177,6 +192,66 @@ def _any_rank(flag: bool) -> bool:
 
 
 # -- stability guard -----------------------------------------------------------------------
+class StageTotals:
+    """A stage's running totals over every step it trained, across resumes: the sum of the trained
+    steps' losses and their count, the real tokens and the seconds spent training. Saved into each
+    checkpoint (``TOTALS``) and read back from the one a resumed stage continues from, so that the
+    stage's ``train_loss``, ``train_tokens`` and ``tokens_per_second`` cover the whole stage; the
+    steps redone after a resume count once, as in the run that was never stopped."""
+
+    FILE = "ftcore_totals.json"
+    FIELDS = ("loss_sum", "trained_steps", "skipped_steps", "loss_spikes", "high_grad_norms", "tokens", "seconds")
+
+    def __init__(self, tokens: Callable[[], int | None] = lambda: None):
+        self.base = dict.fromkeys(self.FIELDS, 0)  # what the checkpoint resumed from had counted
+        self.loss_sum, self.trained = 0.0, 0
+        self.guard: StabilityGuard | None = None
+        self._tokens = tokens  # this attempt's real tokens so far (the trainer's own count), if it counts them
+        self._start = time.perf_counter()
+
+    def start(self) -> None:
+        """Training starts now: seconds count from here."""
+        self._start = time.perf_counter()
+
+    def resume(self, checkpoint: Path | None) -> None:
+        saved = rundir.read_json(Path(checkpoint) / self.FILE) if checkpoint else None
+        if saved:
+            self.base.update({k: saved[k] for k in self.FIELDS if k in saved})
+
+    def add(self, loss: float) -> None:
+        self.loss_sum += loss
+        self.trained += 1
+
+    def current(self) -> dict[str, Any]:
+        guard = self.guard.counts() if self.guard else {}
+        tokens = self._tokens()
+        now = {"loss_sum": self.loss_sum, "trained_steps": self.trained,
+               "skipped_steps": guard.get("guard_skipped_steps", 0), "loss_spikes": guard.get("guard_loss_spikes", 0),
+               "high_grad_norms": guard.get("guard_high_grad_norms", 0), "tokens": tokens or 0,
+               "seconds": time.perf_counter() - self._start}
+        out = {k: self.base[k] + now[k] for k in self.FIELDS}
+        if tokens is None and not self.base["tokens"]:
+            out["tokens"] = None
+        return out
+
+    def save(self, folder: Path) -> None:
+        rundir.write_json(Path(folder) / self.FILE, self.current())
+
+    def metrics(self) -> dict[str, Any]:
+        """The stage's totals as metrics: ``train_loss`` (mean over trained steps), ``train_tokens``,
+        ``train_seconds``, ``tokens_per_second`` and the guard's counts."""
+        t = self.current()
+        out: dict[str, Any] = {
+            "train_loss": t["loss_sum"] / t["trained_steps"] if t["trained_steps"] else float("nan"),
+            "train_seconds": t["seconds"], "guard_skipped_steps": t["skipped_steps"],
+            "guard_loss_spikes": t["loss_spikes"], "guard_high_grad_norms": t["high_grad_norms"]}
+        if t["tokens"] is not None:
+            out["train_tokens"] = int(t["tokens"])
+            if t["seconds"]:
+                out["tokens_per_second"] = t["tokens"] / t["seconds"]
+        return out
+
+
 class StabilityGuard:
     """Watches each optimizer step's loss and gradient norm (before clipping).
 
@@ -227,7 +302,7 @@ class StabilityGuard:
                 "guard_high_grad_norms": self.high_grad_norms}
 
 
-def attach_guard(trainer: Any, guard: StabilityGuard):
+def attach_guard(trainer: Any, guard: StabilityGuard, totals: StageTotals | None = None):
     """Feed ``guard`` from a transformers Trainer and return the callback that acts on it.
 
     The Trainer hands callbacks neither the loss nor the gradient norm, so this wraps two of its
@@ -236,7 +311,7 @@ def attach_guard(trainer: Any, guard: StabilityGuard):
     held back and added to the Trainer's running loss only for steps that update the weights, so a
     skipped step is left out of the logged loss instead of making it NaN. A skipped step drops
     every gradient before ``optimizer.step()``: optimizers leave parameters without a gradient
-    untouched (no moment update, no weight decay)."""
+    untouched (no moment update, no weight decay). Each trained step's loss is added to ``totals``."""
     import torch
     from transformers import TrainerCallback
 
@@ -260,7 +335,8 @@ def attach_guard(trainer: Any, guard: StabilityGuard):
             loss = torch.stack(held).sum()
             held.clear()
             grad_norm = float(norm[0]) if norm[0] is not None else None
-            if guard.check(state.global_step + 1, _mean_over_ranks(loss), grad_norm):
+            value = _mean_over_ranks(loss)
+            if guard.check(state.global_step + 1, value, grad_norm):
                 for group in optimizer.param_groups:
                     for p in group["params"]:
                         p.grad = None
@@ -268,6 +344,8 @@ def attach_guard(trainer: Any, guard: StabilityGuard):
                 trainer._globalstep_last_logged += 1
             else:
                 trainer._tr_loss += loss.to(trainer._tr_loss.device)
+                if totals is not None:
+                    totals.add(value)
 
     return Guard()
 

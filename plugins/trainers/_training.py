@@ -303,8 +303,8 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     import torch
     from transformers import EarlyStoppingCallback, PrinterCallback
 
-    from ftcore_plugins.trainers._callbacks import GracefulStop, StabilityGuard, attach_guard, checkpoint_keeper, newest_checkpoint, \
-        stop_on_signal
+    from ftcore_plugins.trainers._callbacks import GracefulStop, StabilityGuard, StageTotals, attach_guard, \
+        checkpoint_keeper, newest_checkpoint, stop_on_signal
 
     class EarlyStopping(EarlyStoppingCallback):
         def on_train_begin(self, args, state, control, **kw):
@@ -321,8 +321,11 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     skeleton = meta_copy(ctx.model) if ctx.run.world_size > 1 else None
     evaluating = evaluation is not None
     progress = progress_callback(ctx.reporter, ctx.stage)
-    stop = GracefulStop()
-    callbacks = [progress, checkpoint_keeper(o.save_total_limit, save_each_evaluation=evaluating),
+    stop = GracefulStop(ctx.stage, ctx.checkpoint_dir, getattr(getattr(ctx.run, "plan", None), "path", None))
+    # TRL's trainers count real tokens (attention masks) in _total_train_tokens, from 0 in each process.
+    totals = StageTotals(tokens=lambda: getattr(trainer, "_total_train_tokens", None))
+    totals.resume(ctx.resume_from)
+    callbacks = [progress, checkpoint_keeper(o.save_total_limit, save_each_evaluation=evaluating, totals=totals),
                  stop_on_signal(stop), *trainer_kwargs.pop("callbacks", [])]
     early = EarlyStopping(o.early_stopping_patience, o.early_stopping_threshold) \
         if evaluating and o.early_stopping_patience else None
@@ -334,7 +337,8 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     _fsdp_on_cpu(trainer)
     guard = StabilityGuard(ctx.reporter, ctx.stage, nan=o.guard_nan, spike_factor=o.guard_spike_factor,
                            window=o.guard_spike_window, max_grad_norm=o.guard_max_grad_norm)
-    trainer.add_callback(attach_guard(trainer, guard))
+    totals.guard = guard
+    trainer.add_callback(attach_guard(trainer, guard, totals))
     # TRL casts the trainable weights of a quantized model to bf16 when it builds the trainer;
     # adapters train in fp32 (QLoRA keeps only the frozen base in low precision).
     if getattr(trainer.model, "is_quantized", False) or getattr(trainer.model, "is_loaded_in_4bit", False) \
@@ -342,9 +346,14 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         for p in trainer.model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
+    totals.start()
     try:
         with stop:
             result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+    except (MemoryError, torch.OutOfMemoryError):
+        # Nothing half-written stays behind: the stage saves its output only after training, and a
+        # checkpoint counts only once marked. The step is the one that did not finish.
+        raise out_of_memory(ctx, o, trainer.state.global_step + 1) from None
     finally:
         progress.close()  # also when the guard or an error ends training
     if stop.requested:
@@ -358,19 +367,9 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     ctx.model = strip_forward_patches(trainer.model) if strip_patches else trainer.model
     if skeleton is not None:
         ctx.model = consolidated(trainer, skeleton) or ctx.model
-    steps = result.global_step - trainer._initial_global_step  # this process's steps (after a resume: since it)
-    trained = steps - guard.skipped
-    metrics: dict[str, Any] = {
-        # The Trainer averages over every step; skipped steps added no loss, so average over trained ones.
-        "train_loss": result.training_loss * steps / trained if trained else float("nan"),
-        "global_step": result.global_step, "train_seconds": result.metrics.get("train_runtime"),
-        **counts, **guard.counts()}
-    # Real (non-padding) tokens, as counted by TRL from the attention masks it trained on.
-    tokens = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
-    if tokens:
-        metrics["train_tokens"] = int(tokens[-1])
-        if metrics["train_seconds"]:
-            metrics["tokens_per_second"] = tokens[-1] / metrics["train_seconds"]
+    # Over the whole stage, a resumed one too: the mean loss of the trained steps (skipped ones added
+    # none), the real (non-padding) tokens TRL counted from the attention masks, the seconds training.
+    metrics: dict[str, Any] = {"global_step": result.global_step, **counts, **totals.metrics()}
     evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     if evals:
         metrics["eval_step"], metrics["eval_loss"] = evals[-1]  # the last evaluation
@@ -383,6 +382,32 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         if early is not None:
             metrics["stopped_early"] = early.early_stopping_patience_counter >= early.early_stopping_patience
     return trainer, metrics
+
+
+def out_of_memory(ctx: Any, o: TrainOptions, step: int) -> Exception:
+    """The one-line error for a stage that ran out of memory at ``step``: the measured peak and the
+    cheapest changes to the plan, those that keep the training the same first."""
+    from ftcore import memory
+    from ftcore.errors import FtcoreError
+
+    peak = memory.snapshot()
+    measured = ", ".join(f"{k.replace('_mib', '')} {v:,.0f} MiB" for k, v in peak.items() if "peak" in k) or "not measured"
+    plan = getattr(ctx.run, "plan", None)
+    fixes = []
+    if o.batch_size > 1:
+        fixes.append(f"batch_size = {max(o.batch_size // 2, 1)} with gradient_accumulation_steps = "
+                     f"{o.gradient_accumulation_steps * 2} (the same batch, about half the activations)")
+    if not o.gradient_checkpointing:
+        fixes.append("gradient_checkpointing = true (activations recomputed, not kept)")
+    adapter = getattr(ctx.adapter, "peft", False)
+    if adapter and plan is not None and plan.quantizer.name == "none":
+        fixes.append('[quantizer] use = "bnb-4bit" (QLoRA: the frozen weights in 4 bits)')
+    elif not adapter:
+        fixes.append('adapter = "lora" (only the adapter trains: no gradients or optimizer state for the rest)')
+    fixes.append(f"a shorter max_length (now {o.max_length})")
+    where = f"ftcore estimate {plan.shown or plan.path}" if plan is not None else "ftcore estimate PLAN"
+    return FtcoreError(f"stage {ctx.stage}: out of memory at step {step} (measured peak: {measured}); try "
+                       f"{'; or '.join(fixes)}; `{where}` shows what each needs")
 
 
 def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, packing: bool,
@@ -409,7 +434,9 @@ def data_origin(ctx: Any, label: str) -> tuple[str, str]:
     selected = plan.data.get(str(ref).split(":")[0]) if ref else None
     if selected is None:
         return f"stage {ctx.stage} {label} data", "error"
-    path = getattr(selected.options, "path", None)
+    # The path as the plan writes it (relative to the plan's folder), as the data sources name it.
+    written = ((plan.raw.get("data") or {}).get(selected.key.partition(".")[2]) or {}).get("path")
+    path = written or getattr(selected.options, "path", None)
     paths = path if isinstance(path, (list, tuple)) else [path] if path else []
     shown = f"{selected.key} ({', '.join(str(p) for p in paths)})" if paths else selected.key
     return shown, getattr(selected.options, "on_error", "error")
@@ -444,8 +471,8 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
                       stats["label_tokens"], f"{stats.get('length_p50', 0)}/{stats.get('length_p90', 0)}/"
                       f"{stats.get('length_max', 0)}", stats["cache"]])
         if not stats["kept"]:
-            raise FtcoreError(f"stage {ctx.stage}: no {label} sample is left with a token to learn after "
-                              f"masking and max_length={max_length} ({truncation}); see data_report.json")
+            raise FtcoreError(f"{where}: no {label} sample of stage {ctx.stage} is left with a token to learn "
+                              f"after masking and max_length={max_length} ({truncation}); see data_report.json")
         out.append(prepared.dataset)
     ctx.reporter.table(f"data for stage {ctx.stage} (data_report.json has more)",
                        ["split", "rows", "kept", "trunc.", "dropped", "tokens", "trained", "length", "cache"],

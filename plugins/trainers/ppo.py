@@ -207,7 +207,8 @@ class PPOTrainer(Component):
         guard = StabilityGuard(ctx.reporter, stage, nan=o.guard_nan, max_grad_norm=o.guard_max_grad_norm)
         update = state["step"] * o.ppo_epochs * o.num_mini_batches  # optimizer steps so far
         start = time.perf_counter() - state["seconds"]
-        with ctx.reporter.progress(f"train {stage}", steps) as bar, GracefulStop() as stop:
+        with ctx.reporter.progress(f"train {stage}", steps) as bar, GracefulStop(
+                stage, ctx.checkpoint_dir, getattr(getattr(ctx.run, "plan", None), "path", None)) as stop:
             bar.update(completed=state["step"])
             while state["step"] < steps:
                 step = state["step"]

@@ -62,6 +62,9 @@ class SFT(TrainChecks, TrainerMemory, Component):
                               "chat rows (messages, Alpaca, "
                               f"ShareGPT, ...) or prompt/completion rows; this data has {', '.join(sorted(columns))}"
                               + ("; for plain text use trainer = \"pretrain\"" if "text" in columns else ""))
+        if "messages" in columns and not o.train_on_inputs:
+            for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):
+                unanswered(rows, data_origin(ctx, label)[0], self.name)
         return tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,
                                train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
                                packed_length=o.max_length)
@@ -132,6 +135,22 @@ def chosen_as_chat(data):
         return data
     return data.map(lambda row: {"messages": row["prompt"] + row["chosen"]},
                     remove_columns=data.column_names)
+
+
+def unanswered(rows: Any, where: str, trainer: str) -> None:
+    """Refuse chat rows with no assistant turn: the data layer keeps them (generating trainers and
+    evaluators take prompts alone), but trained on assistant turns only, they teach nothing."""
+    if rows is None:
+        return
+    index = 0
+    for batch in rows.select_columns(["messages"]).iter(batch_size=1000):
+        for messages in batch["messages"]:
+            index += 1
+            if not any(m.get("role") == "assistant" for m in messages or []):
+                roles = ", ".join(str(m.get("role")) for m in messages or []) or "none"
+                raise FtcoreError(f"{where}, row {index}: 'messages' has no assistant turn, so trainer '{trainer}' "
+                                  f"has nothing to train on (roles: {roles}); add the answer, or set "
+                                  "train_on_inputs = true to train on the whole conversation")
 
 
 @ftcore.hookimpl

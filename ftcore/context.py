@@ -134,3 +134,6 @@ class ExportContext:
     # Where the export ends up: ``path`` is a hidden folder next to it, renamed into place when the export
     # returns. Name this one in what the export writes (a model card's loading snippet).
     final_path: Path | None = None
+    # Where the model the live adapter was applied to loads from on its own (a folder or a hub id), so
+    # that an adapter export can name its exact base; None when no folder holds it.
+    adapter_base: Callable[[], str | None] | None = None

@@ -7,6 +7,8 @@ writing 5 to /proc/self/clear_refs, and CUDA's peak statistics when CUDA is in u
 
 from __future__ import annotations
 
+import glob
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -50,3 +52,10 @@ def snapshot() -> dict[str, Any]:
         out["cuda_reserved_mib"] = round(torch.cuda.memory_reserved() / MiB, 1)
         out["cuda_peak_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
     return out
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows a CUDA/ROCm device (its device files), without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))

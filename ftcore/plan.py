@@ -35,6 +35,8 @@ PHASES = ("before", "after", "both")  # reserved: a `when` may also name stages
 DEFAULTS = {"quantizer": "none", "template": "native", "adapter": "full"}
 # "token", "hf_token", "api_key", ... but not "max_new_tokens".
 _SECRET = re.compile(r"(^|[_-])(token|secret|password|passwd|api[_-]?key|credentials?)$", re.I)
+_SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}"
+                           r"|xox[abprs]-[A-Za-z0-9\-]{10,})")
 _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")  # "tokenizer_data[0]: ..."
 
@@ -124,7 +126,7 @@ class Plan:
 
     def redacted(self) -> dict[str, Any]:
         """The plan as written, with anything that looks like a secret replaced."""
-        return _redact(self.raw)
+        return redact(self.raw)
 
     def fingerprint(self) -> str:
         """Identity of the plan's content, ignoring formatting and comments. ``[distributed]`` is left
@@ -598,9 +600,14 @@ def _pydantic_message(err: dict) -> str:
     return f"{msg[0].lower()}{msg[1:]}"
 
 
-def _redact(value: Any) -> Any:
+def redact(value: Any) -> Any:
+    """``value`` (a plan, a section, tags) with secrets replaced by ``***``: the value of a key that names
+    one (``token``, ``api_key``, ``password``, ...) and any string shaped like a known access token
+    (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub, Slack), whatever its key."""
     if isinstance(value, dict):
-        return {k: ("***" if _SECRET.search(k) and v else _redact(v)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(v) for v in value]
+        return {k: ("***" if _SECRET.search(str(k)) and v else redact(v)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v) for v in value]
+    if isinstance(value, str) and _SECRET_VALUE.search(value):
+        return "***"
     return value

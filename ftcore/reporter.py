@@ -30,6 +30,12 @@ def quiet_libraries(verbose: bool = False) -> None:
     for name, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
                         ("TRANSFORMERS_VERBOSITY", "error"), ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
         os.environ.setdefault(name, value)
+    from .memory import gpu_visible
+
+    if not gpu_visible():
+        # What DeepSpeed picks anyway on such a machine; said up front, it does not print (to stdout, through
+        # its own handler) that it "was unable to detect" a GPU when transformers imports it.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     logging.captureWarnings(True)
     # Not Python's last-resort handler, which prints a library's log warnings (bitsandbytes' "Failed to
     # load CPU gemm_4bit_forward ...") to stderr: until run.log exists they are dropped.

@@ -301,6 +301,9 @@ class Runner:
                 with calling(stage.adapter, "save"):
                     if self.info.is_main:
                         stage.adapter.create().save(ctx.model, ctx.output)
+                        # With its tokenizer a stage's output loads on its own, e.g. as the base of a
+                        # later stage's adapter export.
+                        state.tokenizer.save_pretrained(ctx.output)
         self.stage_metrics[stage.name] = dict(metrics)
         if self.info.is_main:
             rundir.write_json(folder / rundir.COMPLETE, {
@@ -348,7 +351,7 @@ class Runner:
                                 state.adapter.create() if state.adapter else None, partial, export.name,
                                 provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
                                 load_full_precision_base=lambda: self._full_precision_base(state),
-                                final_path=path)
+                                final_path=path, adapter_base=lambda: self._adapter_base(state))
             if self.info.is_main:
                 if partial.is_dir() and not partial.is_symlink():
                     shutil.rmtree(partial)
@@ -389,6 +392,33 @@ class Runner:
             self._base = cached
         return state.model, state.tokenizer
 
+    def _adapter_base(self, state: ModelState) -> str | None:
+        """Where the model ``state``'s adapter was applied to can be loaded from, on its own: the output
+        of the last stage before the adapter's first one when that is a whole model (with its
+        tokenizer), else the plan's base model as it was loaded (a hub id or a folder); a model made
+        from scratch is saved once to ``model/base`` for this. None when no folder holds it (the
+        adapter sits on top of an earlier stage's adapter)."""
+        if state.adapter is None:
+            return None
+        before = state.adapter_from - 1
+        while before >= 0 and not self.plan.stages[before].trains_policy:
+            before -= 1
+        if before >= 0:
+            output = self.stage_dir(self.plan.stages[before]) / "output"
+            return str(output) if (output / "config.json").is_file() else None
+        path = getattr(self.plan.model.options, "path", None)
+        if isinstance(path, (str, Path)):
+            return str(path)
+        saved = self.run_dir / "model" / "base"
+        if not (saved / "config.json").is_file() and self.info.is_main:
+            model, tokenizer = self.model_at("base")
+            partial = saved.with_name(".base.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+            rundir.replace_atomically(partial, saved)
+        return str(saved)
+
     def _full_precision_base(self, state: ModelState) -> Any:
         """The model ``state``'s adapter was applied to, rebuilt with the quantizer skipped."""
         none = self.pm.registry().resolve("quantizer", "none").cls
@@ -406,8 +436,11 @@ class Runner:
 
     def _provenance(self) -> dict[str, Any]:
         manifest = rundir.read_json(self.run_dir / rundir.MANIFEST) or {}
-        return {"base_model": self.plan.redacted().get("model", {}), "plan_fingerprint": self.plan.fingerprint(),
-                "data_files": manifest.get("data_files", {}), "metrics": self.evaluations,
+        plan = self.plan.redacted()
+        # Data files by their path relative to the plan's folder: a card travels, this machine's paths do not.
+        files = {_relative(Path(f), self.plan.base_dir): d for f, d in manifest.get("data_files", {}).items()}
+        return {"base_model": plan.get("model", {}), "quantizer": plan.get("quantizer", "none"),
+                "plan_fingerprint": self.plan.fingerprint(), "data_files": files, "metrics": self.evaluations,
                 "stages": manifest.get("resolved", {}).get("stages", []),
                 "ftcore_version": manifest.get("ftcore_version")}
 
@@ -573,6 +606,13 @@ def calling(sel: Selected, what: str, where: str | None = None) -> Iterator[None
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in {what}() "
                              f"[{where or sel.key}]: {type(exc).__name__}: {first}") from exc
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return path.resolve().relative_to(base.resolve()).as_posix()
+    except ValueError:
+        return path.name
 
 
 def _last_checkpoint(folder: Path) -> Path | None:

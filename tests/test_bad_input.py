@@ -12,13 +12,12 @@ the classes below, and ``test_the_corpus_covers_every_class`` counts them.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from test_plan_errors import BASE, CASES, EVALUATE, append, ftcore, prepend, snapshot, sub, write_project
+from test_plan_errors import BASE, CASES, EVALUATE, append, ftcore, snapshot, sub, write_project
 
 from ftcore import rundir
 
@@ -200,6 +199,11 @@ RUN = [
     ("data", "preference-rows-for-sft-without-chosen", sub('path = "train.jsonl"', 'path = "pairs.jsonl"'),
      {"pairs.jsonl": '{"prompt": "Which is an animal?", "rejected": "the tree"}\n'},
      "error: data.train: pairs.jsonl:1: cannot tell the row's format from its fields (prompt, rejected); "),
+    ("data", "dpo-pair-with-a-bad-field",
+     lambda t: sub('trainer = "sft"', 'trainer = "dpo"')(sub('path = "train.jsonl"', 'path = "pairs.jsonl"')(t)),
+     {"pairs.jsonl": '{"prompt": "Which is an animal? red cat tree", "chosen": "the cat", "rejected": "the tree"}\n'
+                     '{"prompt": "Which is an animal? dog stone", "chosen": 3, "rejected": "the stone"}\n'},
+     "error: data.train: pairs.jsonl:2: field 'chosen' must be a list of messages, got a number"),
     ("data", "second-user-turn", sub('path = "train.jsonl"', 'path = "twice.jsonl"'),
      {"twice.jsonl": '{"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}, '
                      '{"role": "assistant", "content": "yo"}]}\n'},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -115,6 +116,16 @@ def test_lora_run_exports_a_merged_folder_an_adapter_and_onnx_that_their_librari
     with_adapter = [model_logits(adapter_model, encode(tok, p)) for p in PROMPTS]
     folded = [model_logits(merged, encode(tok, p)) for p in PROMPTS]
     assert max(max_diff(a, b) for a, b in zip(with_adapter, bare)) > 1e-2  # the adapter learned something
+    # The adapter names that exact base, which loads on its own (its tokenizer beside it): peft's
+    # AutoPeftModel follows adapter_config.json alone to the same model.
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    recorded = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert Path(recorded) == run / "stages" / "pretrain" / "output"
+    assert AutoTokenizer.from_pretrained(recorded).get_vocab() == tok.get_vocab()
+    auto = AutoPeftModelForCausalLM.from_pretrained(adapter_dir).eval()
+    assert max(max_diff(model_logits(auto, encode(tok, p)), a) for p, a in zip(PROMPTS, with_adapter)) < 1e-6
     lora_diff = max(max_diff(a, b) for a, b in zip(with_adapter, folded))
     assert lora_diff < 1e-4
     print(f"\nLoRA merge: max abs logit difference (test's own computation) {lora_diff:.3g}")
@@ -126,12 +137,16 @@ def test_lora_run_exports_a_merged_folder_an_adapter_and_onnx_that_their_librari
     assert card.data.library_name == "transformers" and "ftcore" in card.data.tags
     info = card.data.ftcore
     assert info["plan_fingerprint"] == manifest["plan_fingerprint"] and manifest["plan_fingerprint"] in card.text
-    assert info["data_files"][str(tiny_project.dir / "chat.jsonl")]["sha256"] == chat_sha and chat_sha in card.text
+    assert info["data_files"]["chat.jsonl"]["sha256"] == chat_sha and chat_sha in card.text
+    for folder in (merged_dir, adapter_dir):  # a card names no path of this machine: it travels with the model
+        assert str(tiny_project.dir) not in (folder / "README.md").read_text()
+    assert 'from_pretrained("exports/merged")' in card.text
     recorded = info["verification"]
     assert recorded["prompts"] == 3 and 0 <= recorded["max_abs_logit_diff"] <= recorded["tolerance"] == 1e-4
     assert "perplexity/perplexity" in card.text  # the evaluation results, before and after
     adapter_card = load_card(adapter_dir)
     assert adapter_card.data.library_name == "peft" and "PeftModel.from_pretrained" in adapter_card.text
+    assert 'from_pretrained("stages/pretrain/output")' in adapter_card.text  # the base, as the snippet loads it
     assert adapter_card.data.ftcore["plan_fingerprint"] == manifest["plan_fingerprint"]
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["stage"] == "export:merged" and r.get("max_abs_logit_diff") == recorded["max_abs_logit_diff"]

@@ -364,7 +364,7 @@ def test_a_failed_run_gets_a_report_from_what_it_left(runs):
     assert (run / "report" / "loss.png").is_file()
 
 
-def test_a_report_that_fails_is_a_warning_not_the_runs_error(runs, tmp_path):
+def test_a_report_that_fails_is_a_warning_not_the_runs_error(runs, tmp_path, capsys):
     from rich.console import Console
 
     from ftcore.reporter import Reporter
@@ -378,5 +378,5 @@ def test_a_report_that_fails_is_a_warning_not_the_runs_error(runs, tmp_path):
     console = Console(record=True, width=200)
     report.ftcore_run_end(types.SimpleNamespace(is_main=True, run_dir=copy, reporter=Reporter(console, None, None, None)),
                           error=None)
-    assert "warning: could not write the run report: IsADirectoryError" in console.export_text()
+    assert "warning: could not write the run report: IsADirectoryError" in capsys.readouterr().err  # not stdout
     assert (copy / "report.html" / "keep").read_text() == "a user's file"

@@ -18,7 +18,12 @@ from ftcore.errors import FtcoreError, PlanError
 from conftest import TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
 
 SFT = """
-track = ["tensorboard", "mlflow", "wandb"]
+[track.tensorboard]
+
+[track.mlflow]
+tags = { team = "nlp", api_key = "abc123", note = "hf_abcdefghijklmnopqrstuvwx" }
+
+[track.wandb]
 
 [[stage]]
 name = "sft"
@@ -66,7 +71,7 @@ def _stepped(records: list[dict]) -> dict[tuple[str, int], float]:
         if r["step"] is None:
             continue
         for key, value in r.items():
-            if key not in ("time", "stage", "step") and isinstance(value, (int, float)):
+            if key not in ("time", "stage", "step", "attempt") and isinstance(value, (int, float)):
                 where = (f"{r['stage']}/{key}", r["step"])
                 # transformers logs `epoch` twice at the last step; a metric has one value per step
                 assert out.setdefault(where, float(value)) == float(value), where
@@ -106,6 +111,12 @@ def test_mlflow_run_has_metric_history_params_and_finished_status(tracked_run):
     assert found.data.params["stage.0.learning_rate"] == "0.003"
     assert found.data.params["model.tokenizer_data"] == '["text", "chat"]'
     assert found.data.tags["ftcore.run_dir"] == str(run)
+    # A secret given as a tag is redacted there too, as in the manifest and the params: by its key or its shape.
+    assert {k: found.data.tags[k] for k in ("team", "api_key", "note")} == {"team": "nlp", "api_key": "***",
+                                                                           "note": "***"}
+    manifest = (run / "manifest.json").read_text()
+    assert "abc123" not in manifest and "hf_abcdefghijklmnopqrstuvwx" not in manifest
+    assert not [k for k, v in found.data.params.items() if "abc123" in v or "hf_abcdef" in v]
 
     expected = _stepped(records)
     for key in {k for k, _ in expected}:

@@ -476,6 +476,20 @@ except Interrupted as exc:
 
 
 @pytest.mark.slow
+def test_warnings_go_to_stderr_and_library_chatter_to_the_log_only(tiny_project):
+    """ftcore's own warnings (here the guard's, at every step) are on stderr, not stdout; transformers'
+    "Loading weights" bar and library warnings are not on the console at all."""
+    plan = tiny_project(RESUMABLE.replace("save_steps = 4", "save_steps = 4\nguard_max_grad_norm = 1e-9")
+                        .replace("epochs = 2", "max_steps = 3"))
+    result = run_cli("run", str(plan), env=QUIET)
+    assert result.returncode == 0, result.stderr
+    warned = [line for line in result.stderr.splitlines() if line.startswith("warning: stage sft: gradient norm")]
+    assert len(warned) == 3, result.stderr
+    assert "warning:" not in result.stdout and "[warning]" not in result.stdout.lower()  # DeepSpeed's format
+    assert "Loading weights" not in result.stderr + result.stdout and "Warning:" not in result.stderr
+
+
+@pytest.mark.slow
 def test_ctrl_c_twice_leaves_the_run_interrupted_and_resumable(tiny_project):
     plan = tiny_project(RESUMABLE)
     run = tiny_project.dir / "runs" / "tiny"

@@ -270,7 +270,7 @@ def series(run: RunFiles, wanted) -> dict[str, dict[str, tuple[list[int], list[f
         if stage == "memory" or str(stage).startswith("evaluate:") or not isinstance(step, int):
             continue
         for key, value in record.items():
-            if key not in ("time", "stage", "step") and wanted(key) and _number(value):
+            if key not in ("time", "stage", "step", "attempt") and wanted(key) and _number(value):
                 steps, values = out.setdefault(stage, {}).setdefault(key, ([], []))
                 steps.append(step)
                 values.append(value)

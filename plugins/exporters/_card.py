@@ -25,7 +25,11 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
     body = [f"# {ctx.run.plan.run_name}: {title}", "",
             f"Trained with ftcore {p.get('ftcore_version') or ''} from a plan with fingerprint "
             f"`{p.get('plan_fingerprint')}` (sha256 of the plan's content).", ""]
-    body += _section("Base model", ["key", "value"], [(k, f"`{v}`") for k, v in (p.get("base_model") or {}).items()])
+    quantizer = p.get("quantizer") or "none"
+    quantizer = quantizer if isinstance(quantizer, dict) else {"use": quantizer}
+    body += _section("Base model", ["key", "value"],
+                     [(k, f"`{v}`") for k, v in (p.get("base_model") or {}).items()]
+                     + [(f"quantizer.{k}", f"`{v}`") for k, v in quantizer.items()])
     body += _section("Stages", ["stage", "trainer", "adapter", "data"],
                      [(s.get("name"), s.get("trainer"), s.get("adapter"), s.get("data")) for s in p.get("stages", [])])
     body += _section("Data", ["file", "data", "sha256", "bytes"],
@@ -34,7 +38,7 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
     body += _metrics(p.get("metrics") or {})
     if verification:
         body += _section("Verification", ["check", "value"], [(k, format_value(v)) for k, v in verification.items()])
-    body += ["## How to load", "", "```python", usage.strip(), "```", ""]
+    body += ["## How to load", "", "From the run folder:", "", "```python", usage.strip(), "```", ""]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
     path = folder / "README.md"
     card.save(path)
@@ -46,10 +50,24 @@ def final_path(ctx: Any) -> Path:
     return Path(getattr(ctx, "final_path", None) or ctx.path)
 
 
+def card_path(ctx: Any, path: Path | str | None = None) -> str:
+    """How a card's loading snippet names ``path`` (default: the export): relative to the run folder,
+    where the snippet runs as written on any machine the run is copied to; a path outside it (an
+    export ``path`` the plan chose) as it is."""
+    path = Path(path) if path is not None else final_path(ctx)
+    try:
+        return path.resolve().relative_to(Path(ctx.run.run_dir).resolve()).as_posix()
+    except (ValueError, AttributeError):
+        return str(path)
+
+
 def base_model_id(section: dict[str, Any]) -> str | None:
-    """The hub id or folder the plan's ``[model]`` loaded (``hf``'s ``path``); None for a model made from scratch."""
+    """The hub id the plan's ``[model]`` loaded (``hf``'s ``path``, ``org/name``); None for a local folder,
+    which means nothing on another machine, or a model made from scratch."""
+    from ftcore_plugins.common.model import HUB_ID
+
     path = section.get("path")
-    return path if isinstance(path, str) else None
+    return path if isinstance(path, str) and HUB_ID.fullmatch(path) else None
 
 
 def _metrics(metrics: dict[str, dict[str, dict[str, Any]]]) -> list[str]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.exporters._card import final_path, write_card
+from ftcore_plugins.exporters._card import card_path, write_card
 
 USAGE = """
 from peft import PeftModel
@@ -37,13 +39,19 @@ class AdapterExporter(Component):
     def export(self, ctx):
         if ctx.adapter is None or not getattr(ctx.adapter, "peft", False):
             raise FtcoreError("exporter 'adapter': the model has no peft adapter to export")
+        config = ctx.model.peft_config[ctx.model.active_adapter]
+        # The exact base (an earlier stage's output, the plan's model, a scratch model saved for this),
+        # recorded where peft looks (adapter_config.json) and in the card's snippet.
+        base = ctx.adapter_base() if ctx.adapter_base is not None else None
+        if base is not None:
+            config.base_model_name_or_path = base
         ctx.path.mkdir(parents=True, exist_ok=True)
         ctx.model.save_pretrained(ctx.path)
         ctx.tokenizer.save_pretrained(ctx.path)
-        config = ctx.model.peft_config[ctx.model.active_adapter]
-        base = config.base_model_name_or_path or "path/to/base-model"
+        base = card_path(ctx, base) if base is not None and Path(base).exists() else \
+            (base or config.base_model_name_or_path or "path/to/base-model")
         write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
-                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=final_path(ctx)))
+                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=card_path(ctx)))
         return ctx.path
 
 

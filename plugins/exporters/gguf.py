@@ -21,7 +21,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.exporters._card import final_path, write_card
+from ftcore_plugins.exporters._card import card_path, final_path, write_card
 from ftcore_plugins.exporters.merged import TOLERANCES, logits, max_abs_diff, merge_verified, verification_inputs
 
 # transformers model_type -> llama.cpp architecture (mistral is llama's layout in llama.cpp).
@@ -135,7 +135,7 @@ class GgufExporter(Component):
                 ctx.reporter.info(f"gguf: wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB)")
         ctx.reporter.log(f"export:{ctx.name}", {k: v for k, v in verification.items() if isinstance(v, (int, float))})
         write_card(ctx.path, ctx, title="GGUF model", library="gguf", tags=["gguf", "llama.cpp"],
-                   usage=USAGE.format(file=final_path(ctx) / f"{stem}-{self.options.types[-1]}.gguf"),
+                   usage=USAGE.format(file=card_path(ctx, final_path(ctx) / f"{stem}-{self.options.types[-1]}.gguf")),
                    verification=verification)
         return ctx.path
 

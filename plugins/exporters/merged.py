@@ -19,7 +19,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.exporters._card import final_path, write_card
+from ftcore_plugins.exporters._card import card_path, write_card
 
 # Short user turns rendered with the plan's template: the verification inputs.
 PROMPTS = ("Hello! Who are you?", "Name three colours.", "Explain in one sentence why the sky is blue.")
@@ -60,7 +60,7 @@ class MergedExporter(Component):
         merged.save_pretrained(ctx.path)  # safetensors, config.json, generation_config.json
         ctx.tokenizer.save_pretrained(ctx.path)  # with the template as its chat_template
         write_card(ctx.path, ctx, title="merged model", library="transformers", tags=["merged"],
-                   usage=USAGE.format(path=final_path(ctx)), verification=verification)
+                   usage=USAGE.format(path=card_path(ctx)), verification=verification)
         return ctx.path
 
 

@@ -21,7 +21,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.exporters._card import final_path, write_card
+from ftcore_plugins.exporters._card import card_path, write_card
 from ftcore_plugins.exporters.merged import merge_verified, verification_inputs
 
 PIP_ONNX = "pip install 'ftcore[onnx]'"
@@ -87,7 +87,7 @@ class OnnxExporter(Component):
         model.config.save_pretrained(ctx.path)
         model.generation_config.save_pretrained(ctx.path)
         write_card(ctx.path, ctx, title="ONNX model", library="onnx", tags=["onnx"],
-                   usage=USAGE.format(path=final_path(ctx), file=FILE),
+                   usage=USAGE.format(path=card_path(ctx), file=FILE),
                    verification={**{f"merge {k}": v for k, v in merge.items()}, **check})
         return ctx.path / FILE
 

@@ -9,6 +9,7 @@ import time
 import ftcore
 from ftcore import rundir
 from ftcore.component import Component, Options
+from ftcore.plan import redact
 from ftcore.types import OutputPath
 
 from ftcore_plugins.trackers import _base as _tracking
@@ -62,7 +63,9 @@ class MLflow(Component):
         experiment = client.get_experiment_by_name(o.experiment)
         experiment_id = experiment.experiment_id if experiment else \
             client.create_experiment(o.experiment, artifact_location=artifacts)
-        tags = {"ftcore.run_dir": str(run.run_dir), "ftcore.plan_fingerprint": run.plan.fingerprint(), **o.tags}
+        # Tags are redacted as the plan is: the manifest and params never hold a secret, nor may the tags.
+        tags = {"ftcore.run_dir": str(run.run_dir), "ftcore.plan_fingerprint": run.plan.fingerprint(),
+                **redact(dict(o.tags))}
         self._run_id = client.create_run(experiment_id, run_name=o.run_name or run.plan.run_name,
                                          tags=tags).info.run_id
         params = [Param(_key(k), v[:_MAX_VALUE]) for k, v in _tracking.flat_plan(run).items()]

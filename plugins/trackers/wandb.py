@@ -8,6 +8,7 @@ from typing import Literal
 import ftcore
 from ftcore import rundir
 from ftcore.component import Component, Options
+from ftcore.plan import redact
 from ftcore.types import OutputPath
 
 from ftcore_plugins.trackers import _base as _tracking
@@ -51,7 +52,7 @@ class WandB(Component):
         # carry a token, and the run manifest already records the commit.
         settings = wandb.Settings(mode=o.mode, console="off", disable_git=True, save_code=False, quiet=True)
         self._run = wandb.init(dir=str(_tracking.folder(run, o.dir, "wandb")), project=o.project, entity=o.entity,
-                               name=o.name or run.plan.run_name, tags=list(o.tags), config=run.plan.redacted(),
+                               name=o.name or run.plan.run_name, tags=redact(list(o.tags)), config=run.plan.redacted(),
                                settings=settings)
 
     @ftcore.hookimpl

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ftcore.component import Options
+from ftcore.memory import gpu_visible
 from ftcore.types import LearningRate, Tokens
 
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
@@ -54,7 +55,7 @@ def training_problems(component: Any, plan: Any) -> list[str]:
     if o.guard_nan == "skip" and d is not None and d.wanted and d.engine == "deepspeed":
         problems.append("guard_nan: \"skip\" cannot drop a step's gradients under DeepSpeed (they live in its "
                         "partitions until its optimizer step); use \"stop\" with engine = \"deepspeed\"")
-    if o.precision == "fp16" and not _gpu_visible():
+    if o.precision == "fp16" and not gpu_visible():
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
     for stage in stages:
         if stage.eval_data is not None:
@@ -74,16 +75,6 @@ class TrainChecks:
 
     def check(self, plan: Any) -> list[str]:
         return training_problems(self, plan)
-
-
-def _gpu_visible() -> bool:
-    """Whether this machine shows a CUDA/ROCm device, without importing torch (validate stays light)."""
-    import glob
-    import os
-
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
 
 
 def progress_callback(reporter: Any, stage: str):
@@ -369,7 +360,9 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         ctx.model = consolidated(trainer, skeleton) or ctx.model
     # Over the whole stage, a resumed one too: the mean loss of the trained steps (skipped ones added
     # none), the real (non-padding) tokens TRL counted from the attention masks, the seconds training.
-    metrics: dict[str, Any] = {"global_step": result.global_step, **counts, **totals.metrics()}
+    whole = totals.metrics()
+    metrics: dict[str, Any] = {"train_loss": whole.pop("train_loss"), "global_step": result.global_step, **counts,
+                               **whole}
     evals = [(h["step"], h["eval_loss"]) for h in trainer.state.log_history if "eval_loss" in h]
     if evals:
         metrics["eval_step"], metrics["eval_loss"] = evals[-1]  # the last evaluation

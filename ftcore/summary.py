@@ -22,7 +22,9 @@ def evaluation_rows(evaluations: dict[str, dict[str, Any]]) -> tuple[list[str], 
         for metric in dict.fromkeys(m for results in phases.values() for m in results.get(name) or {}):
             values = [(results.get(name) or {}).get(metric) for results in phases.values()]
             numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
-            change = [f"{numbers[-1] - numbers[0]:+.4g}" if len(numbers) > 1 else ""] if len(phases) > 1 else []
+            counted = all(isinstance(v, int) for v in numbers)  # n, tokens: how much was scored, not a result
+            change = [f"{numbers[-1] - numbers[0]:+.4g}" if len(numbers) > 1 and not counted else ""] \
+                if len(phases) > 1 else []
             rows.append([name, metric, *values, *change])
     return ["evaluation", "metric", *phases, *(["change"] if len(phases) > 1 else [])], rows
 

@@ -9,7 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from conftest import SHARED, TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
+from conftest import ROOT, SHARED, TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
 
 pytest.importorskip("gguf")
 
@@ -261,3 +261,21 @@ def test_validate_refuses_what_gguf_cannot_write(tiny_project):
     assert r.returncode == 2
     assert "export[0].use: exporter 'gguf' writes llama, mistral and qwen2 models; this model is 'gpt2'" \
         in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_llama_cpp_answers_the_quickstart_prompts_as_transformers_does(tmp_path):
+    """benchmarks/llama_cpp_parity.py on a fresh quickstart run with f16 and q8_0 exports: every one of
+    the 100 held-out prompts tokenizes the same in llama.cpp and gets the same greedy answer."""
+    pytest.importorskip("llama_cpp")
+    spec = importlib.util.spec_from_file_location("llama_cpp_parity", ROOT / "benchmarks" / "llama_cpp_parity.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    results = {r["file"]: r for r in bench.parity(bench.quickstart_with_gguf(tmp_path))}
+    print("\n" + "\n".join(f"{name}: tokenization {r['same_tokenization']}/{r['prompts']}, greedy answer "
+                                f"{r['same_greedy_answer']}/{r['prompts']}" for name, r in results.items()))
+    assert sorted(results) == ["quickstart-f16.gguf", "quickstart-q8_0.gguf"]
+    for r in results.values():
+        assert r["prompts"] == 100 and r["same_tokenization"] == 100
+    assert results["quickstart-f16.gguf"]["same_greedy_answer"] == 100
+    assert results["quickstart-q8_0.gguf"]["same_greedy_answer"] >= 95  # 8-bit weights may flip a near tie

@@ -315,10 +315,12 @@ def test_several_problems_are_reported_together(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     plan = write_project(tmp_path, BASE.replace('trainer = "sft"', 'trainer = "sfft"'))
     before = snapshot(tmp_path)
-    result = ftcore("validate", "--debug", str(plan))
-    assert result.returncode == 2
-    assert f"{plan}: stage[0].trainer: unknown trainer 'sfft'" in result.stderr
-    assert "Traceback" in result.stderr and "PlanError" in result.stderr
+    for args in (("validate", "--debug", str(plan)), ("--debug", "validate", str(plan)),
+                 ("--debug", "run", str(plan))):  # the flag after the command, or before it as --help shows
+        result = ftcore(*args)
+        assert result.returncode == 2
+        assert f"{plan}: stage[0].trainer: unknown trainer 'sfft'" in result.stderr
+        assert "Traceback" in result.stderr and "PlanError" in result.stderr, args
     assert snapshot(tmp_path) == before
 
 

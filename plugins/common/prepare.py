@@ -152,12 +152,15 @@ def padding_fraction(lengths: list[int], batch_size: int) -> float:
     return 1 - real / padded if padded else 0.0
 
 
-def packing_report(dataset: Any, max_length: int, batch_size: int) -> dict[str, Any]:
-    """Padding with and without best-fit packing (TRL's ``pack_dataset``, strategy "bfd")."""
+def packing_report(dataset: Any, max_length: int, batch_size: int, packed: bool = True) -> dict[str, Any]:
+    """Padding without packing and, with ``packed``, with best-fit packing (TRL's ``pack_dataset``,
+    strategy "bfd")."""
     from trl.data_utils import pack_dataset
 
     lengths = [len(x) for x in dataset["input_ids"]]
     shuffled = random.Random(0).sample(lengths, len(lengths))  # batches are drawn in random order
+    if not packed:
+        return {"padding_fraction_unpacked": padding_fraction(shuffled, batch_size)}
     packed = pack_dataset(dataset.select_columns(["input_ids"]), max_length, strategy="bfd")
     bins = len(packed)
     return {"padding_fraction_unpacked": padding_fraction(shuffled, batch_size),

@@ -437,9 +437,10 @@ def data_origin(ctx: Any, label: str) -> tuple[str, str]:
 
 def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "truncate_response",
                     train_on_inputs: bool = False, batch_size: int = 8,
-                    packed_length: int | None = None) -> tuple[Any, Any]:
+                    packed_length: int | None = None, packing: bool = True) -> tuple[Any, Any]:
     """Tokenize the stage's train and eval rows (cached), and report what was kept,
-    truncated and dropped, the length percentiles and, for ``packed_length``, packing."""
+    truncated and dropped, the length percentiles and, for ``packed_length``, the padding batches of
+    ``batch_size`` rows carry and, with ``packing``, how packing into ``packed_length`` blocks fills them."""
     from ftcore.errors import FtcoreError
 
     from ftcore_plugins.common.prepare import packing_report, prepare
@@ -455,7 +456,7 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
                            description=f"tokenize {label}", on_error=on_error, where=where)
         stats = dict(prepared.stats, cache="hit" if prepared.cache_hit else "miss")
         if packed_length and stats["kept"]:
-            stats.update(packing_report(prepared.dataset, packed_length, batch_size))
+            stats.update(packing_report(prepared.dataset, packed_length, batch_size, packed=packing))
         ctx.reporter.data_report(f"{ctx.stage}/{label}", stats)
         ctx.reporter.log(ctx.stage, {f"data/{label}_{k}": v for k, v in stats.items() if k != "cache"})
         shown.append([label, stats["rows"], stats["kept"], stats["truncated"],

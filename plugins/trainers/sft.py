@@ -67,7 +67,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
                 unanswered(rows, data_origin(ctx, label)[0], self.name)
         return tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,
                                train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
-                               packed_length=o.max_length)
+                               packed_length=o.max_length, packing=o.packing)
 
     def trl_config(self, ctx: Any) -> dict[str, Any]:
         """``trl.SFTConfig`` fields on top of those the shared options set (``training_arguments``).

@@ -60,12 +60,13 @@ class Progress:
 
 
 class Reporter:
-    def __init__(self, console: Any | None, metrics_path: Path | None, pm: Any | None, run: Any | None):
+    def __init__(self, console: Any | None, metrics_path: Path | None, pm: Any | None, run: Any | None,
+                 errors: Any | None = None):
         self.console = console  # a rich Console, or None on non-main ranks
         self.metrics_path = metrics_path
         self._pm = pm  # calls ftcore_log on plugins, main rank only
         self._run = run
-        self._errors: Any | None = None  # a console on stderr, for warnings
+        self._errors: Any | None = errors  # where warnings go; default, made when needed: a console on stderr
         self.attempt = 1  # which start of the run this process is: 1, then one more per --resume
 
     def info(self, message: str) -> None:

@@ -157,6 +157,37 @@ when = "before"
     assert len(aside) == 1 and (aside[0] / "my-notes.txt").read_text() == "mine"
 
 
+def test_a_run_that_failed_before_training_starts_over_without_a_flag(tiny_project):
+    """Bad data stops a fresh run after its folder exists; once the data is fixed, the same command runs
+    it again in that folder. A run that trained a step is never replaced that way."""
+    plan = tiny_project("""
+[[stage]]
+name = "sft"
+trainer = "sft"
+data = "chat"
+max_steps = 2
+""")
+    good = (tiny_project.dir / "chat.jsonl").read_text()
+    (tiny_project.dir / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n' + good)
+    failed = run_cli("run", str(plan))
+    assert failed.returncode == 2 and failed.stderr.startswith("error: data.chat (chat.jsonl), row 1: "), failed.stderr
+    run = tiny_project.dir / "runs" / "tiny"
+    assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+
+    (tiny_project.dir / "chat.jsonl").write_text(good)
+    again = run_cli("run", str(plan))
+    assert again.returncode == 0, again.stderr
+    assert "the previous run here failed before training" in again.stdout
+    assert json.loads((run / "manifest.json").read_text())["status"] == "complete"
+
+    # Trained, then failed (here: its manifest says so): kept, and the plain command refuses it.
+    manifest = json.loads((run / "manifest.json").read_text())
+    (run / "manifest.json").write_text(json.dumps({**manifest, "status": "failed"}))
+    refused = run_cli("run", str(plan))
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    assert (run / "stages" / "sft" / "output").is_dir()
+
+
 def test_export_never_overwrites_an_existing_user_folder(tiny_project):
     user_dir = tiny_project.dir / "my-model"
     user_dir.mkdir()

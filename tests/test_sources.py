@@ -69,7 +69,8 @@ def load_data(folder: Path, section: str, name: str = "train") -> Loaded:
     plan = load_plan(plan_for(folder, section, name), get_plugin_manager(entry_points=False).registry())
     source = plan.data[name].create()
     out = io.StringIO()
-    reporter = Reporter(Console(file=out, width=400, color_system=None), None, None, None)
+    console = Console(file=out, width=400, color_system=None)
+    reporter = Reporter(console, None, None, None, errors=console)  # warnings in the same output
     ds = source.load(DataContext(RunInfo(plan, plan.run_dir), reporter, name))
     return Loaded(ds, source, out.getvalue())
 

@@ -44,9 +44,10 @@ def quickstart_with_gguf(folder: Path) -> Path:
 def parity(run: Path, limit: int | None = None) -> list[dict]:
     """One row per GGUF file in the run's ``gguf`` export: prompts, and how many tokenize the same and
     get the same greedy answer."""
-    import llama_cpp
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ftcore_plugins.common.run_model import load_gguf
 
     merged = run / "exports" / "merged"
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
@@ -70,7 +71,7 @@ def parity(run: Path, limit: int | None = None) -> list[dict]:
     expected = [(ids, greedy(ids)) for ids in (tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts)]
     results = []
     for file in sorted((run / "exports" / "gguf").glob("*.gguf")):
-        llm = llama_cpp.Llama(str(file), n_ctx=0, verbose=False)
+        llm = load_gguf(file, n_ctx=0, verbose=False)
         same_tokens = same_answer = 0
         for prompt, (ids, answer) in zip(prompts, expected):
             same_tokens += llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids

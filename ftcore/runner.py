@@ -143,8 +143,8 @@ class Runner:
             if not stage.trains_policy or any(stage.adapter.reg is r and stage.adapter.options == o for r, o in tried):
                 continue
             tried.append((stage.adapter.reg, stage.adapter.options))
-            own = isinstance((self.plan.raw.get("stage") or [{}] * (stage.index + 1))[stage.index], dict) and \
-                "adapter" in self.plan.raw["stage"][stage.index]
+            section = (self.plan.raw.get("stage") or [])[stage.index]
+            own = isinstance(section, dict) and "adapter" in section  # else the top-level [adapter]
             adapter = stage.adapter.create()
             apply = getattr(adapter, "apply_meta", None) or adapter.apply
             try:

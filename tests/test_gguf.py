@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ROOT, SHARED, TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
 
+from ftcore_plugins.common.run_model import load_gguf
+
 pytest.importorskip("gguf")
 
 PROMPTS = ["the red cat", "Which is an animal? stone dog blue", "the tree sees the"]
@@ -169,9 +171,9 @@ def greedy_llama_cpp(llm, ids: list[int], n: int) -> list[int]:
 
 def llama_cpp_matches(gguf_file, model, tokenizer, prompts, n=8):
     """llama.cpp tokenizes each prompt as the HF tokenizer does and predicts the same greedy tokens."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
 
-    llm = llama_cpp.Llama(str(gguf_file), n_ctx=128, logits_all=True, verbose=False, n_threads=2, seed=0)
+    llm = load_gguf(gguf_file, n_ctx=128, logits_all=True, verbose=False, n_threads=2, seed=0)
     for prompt in prompts:
         ids = tokenizer(prompt)["input_ids"]
         # add_bos=True adds a BOS only where the file says the tokenizer adds one (Llama-3 does).
@@ -188,9 +190,7 @@ def test_llama_cpp_generates_the_same_greedy_tokens(trained):
     llm = llama_cpp_matches(trained / "gguf" / "tiny-f16.gguf", model, tokenizer, prompts)
     assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
     # q8_0: llama.cpp loads it and its logits stay close to the f16 file's.
-    import llama_cpp
-
-    q8 = llama_cpp.Llama(str(trained / "gguf" / "tiny-q8_0.gguf"), n_ctx=128, logits_all=True, verbose=False)
+    q8 = load_gguf(trained / "gguf" / "tiny-q8_0.gguf", n_ctx=128, logits_all=True, verbose=False)
     ids = tokenizer(PROMPTS[0])["input_ids"]
     for m in (llm, q8):
         m.reset()

@@ -303,18 +303,40 @@ class TransformersModel(Model):
                                seed=sampling.seed, **self._generate_args(sampling))
 
 
+def load_gguf(file: Path | str, **kwargs: Any) -> Any:
+    """``llama_cpp.Llama(file, **kwargs)`` with llama.cpp's extra CPU buffer types off (its weight
+    repacking; AMX on Intel Xeons): with them, llama-cpp-python 0.3.36 segfaults evaluating the q8_0
+    files of small models on an AMX CPU, while a plain CPU buffer computes the same logits (to 1e-2
+    of the f16 file's here). The switch is a model parameter ``Llama`` does not expose."""
+    import llama_cpp
+    from llama_cpp import llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params() -> Any:
+        p = default()
+        if hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(str(file), **kwargs)
+    finally:
+        lib.llama_model_default_params = default
+
+
 class LlamaCppModel(Model):
     """A GGUF file served by llama.cpp (llama-cpp-python). The prompt is rendered by the plan's template
     and tokenized by the tokenizer embedded in the file (transformers reads it), so llama.cpp gets the ids
     transformers would; generation stops at the same tokens and is decoded by transformers' streamer."""
 
     def __init__(self, label: str, file: Path, template: Any):
-        import llama_cpp
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(file.parent, gguf_file=file.name)
         super().__init__(label, tokenizer, template, stop_token_ids(tokenizer, template))
-        self.llm = llama_cpp.Llama(str(file), n_ctx=0, verbose=False)  # n_ctx 0: the model's own context
+        self.llm = load_gguf(file, n_ctx=0, verbose=False)  # n_ctx 0: the model's own context
 
     def stream(self, prompt: str, sampling: Sampling) -> Iterator[str]:
         import torch

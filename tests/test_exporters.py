@@ -257,7 +257,11 @@ def test_qlora_merged_export_merges_into_the_full_precision_base(tmp_path, tiny_
     quantized_diff = max(max_diff(model_logits(four_bit, ids), f) for ids, f in zip(prompts, folded))
     assert quantized_diff > 100 * qlora_diff
 
-    recorded = load_card(merged_dir).data.ftcore["verification"]
+    card = load_card(merged_dir)
+    # The card says which base (by what the folder holds, no path of this machine) and how it was loaded.
+    assert "| path | `a local folder, base` |" in card.text and "| architecture | `LlamaForCausalLM` |" in card.text
+    assert "| quantizer.use | `bnb-nf4` |" in card.text and str(tmp_path) not in card.text
+    recorded = card.data.ftcore["verification"]
     assert recorded["reference"] == "the trained adapter on the full-precision base"
     assert recorded["max_abs_logit_diff"] <= recorded["tolerance"] == 1e-4
     assert recorded["max_abs_logit_diff_vs_quantized_adapter"] > 100 * recorded["max_abs_logit_diff"]

@@ -28,7 +28,7 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
     quantizer = p.get("quantizer") or "none"
     quantizer = quantizer if isinstance(quantizer, dict) else {"use": quantizer}
     body += _section("Base model", ["key", "value"],
-                     [(k, f"`{v}`") for k, v in (p.get("base_model") or {}).items()]
+                     [(k, f"`{v}`") for k, v in _base_rows(ctx, p.get("base_model") or {}).items()]
                      + [(f"quantizer.{k}", f"`{v}`") for k, v in quantizer.items()])
     body += _section("Stages", ["stage", "trainer", "adapter", "data"],
                      [(s.get("name"), s.get("trainer"), s.get("adapter"), s.get("data")) for s in p.get("stages", [])])
@@ -43,6 +43,29 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
     path = folder / "README.md"
     card.save(path)
     return path
+
+
+def _base_rows(ctx: Any, section: dict[str, Any]) -> dict[str, Any]:
+    """The plan's ``[model]`` as a card shows it: a local folder by what it holds (the hub id its
+    config names, its architecture) rather than by a path that means nothing elsewhere."""
+    import json
+
+    rows = dict(section)
+    path = section.get("path")
+    if not isinstance(path, str) or base_model_id(section):
+        return rows
+    folder = Path(str(getattr(ctx.run.plan.model.options, "path", path)))
+    rows["path"] = f"a local folder, {folder.name}"
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return rows
+    origin = config.get("_name_or_path")
+    if isinstance(origin, str) and base_model_id({"path": origin}):
+        rows["from"] = origin
+    if config.get("architectures"):
+        rows["architecture"] = ", ".join(config["architectures"])
+    return rows
 
 
 def final_path(ctx: Any) -> Path:

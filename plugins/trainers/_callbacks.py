@@ -195,7 +195,7 @@ def _any_rank(flag: bool) -> bool:
 class StageTotals:
     """A stage's running totals over every step it trained, across resumes: the sum of the trained
     steps' losses and their count, the real tokens and the seconds spent training. Saved into each
-    checkpoint (``TOTALS``) and read back from the one a resumed stage continues from, so that the
+    checkpoint (``FILE``) and read back from the one a resumed stage continues from, so that the
     stage's ``train_loss``, ``train_tokens`` and ``tokens_per_second`` cover the whole stage; the
     steps redone after a resume count once, as in the run that was never stopped."""
 

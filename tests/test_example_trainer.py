@@ -62,7 +62,7 @@ def test_killed_focal_sft_run_resumes_with_the_same_losses(example_installed, tm
     assert resumed.losses("sft") == pytest.approx(expected, abs=1e-6)
     # The stability guard watched the subclass's steps in both processes: one record per step.
     assert set(resumed.losses("sft", "guard/grad_norm_high")) == set(range(1, 23))
-    assert metrics["guard_high_grad_norms"] == 22 - first_kept  # the resumed process's steps
+    assert metrics["guard_high_grad_norms"] == 22  # every step of the stage, across the kill and the resume
     print(f"resumed from checkpoint-{first_kept}; largest loss difference to the uninterrupted run: {worst:.2e}")
 
 

@@ -155,6 +155,8 @@ class Runner:
             except FtcoreError as exc:
                 message = str(exc)
                 field = re.match(r"adapter (\w+): ", message)  # "adapter target_modules: 'x' matches no module"
+                if field and field.group(1) not in type(stage.adapter.options).model_fields:
+                    field = None  # "adapter freeze: ...": the adapter's name, not one of its options
                 key = f"{stage.adapter.key if own else 'adapter'}" + (f".{field.group(1)}" if field else "")
                 problems.append(self.plan.problem(key, message[field.end():] if field else message))
             except Exception as exc:  # noqa: BLE001 - not decidable on meta tensors; the real apply decides

@@ -97,9 +97,10 @@ def stored(run_dir: Path, value: str) -> Path:
 
 
 def replace_atomically(partial: Path, final: Path) -> None:
-    """Put the finished ``partial`` (a file or folder, next to ``final``) at ``final``, so that ``final``
-    is always either the old complete thing or the new complete one, never half of either. A previous
-    ``final`` (an export being redone) is moved aside first and deleted after."""
+    """Put the finished ``partial`` (a file or folder, next to ``final``) at ``final`` by renaming, so that
+    ``final`` never holds half of anything. A previous ``final`` (an export being redone) is renamed aside
+    first and deleted after; a kill between the two renames leaves no ``final`` (the run is not complete,
+    so ``--resume`` exports again) and the old one under ``.<name>.replaced-<pid>``."""
     old = None
     if final.exists() or final.is_symlink():
         old = final.with_name(f".{final.name}.replaced-{os.getpid()}")

@@ -107,11 +107,13 @@ use = "perplexity"
 data = "chat"
 """)
     assert run_cli("validate", str(plan)).returncode == 0  # a hub id is valid where the network allows
-    result = run_cli("run", str(plan), env={"HF_HUB_OFFLINE": "1"})
+    # Offline, an id missing from the local cache is refused with the plan's own check, before any work.
+    result = run_cli("run", str(plan), env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-hf-home")})
     assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "model.path" in lines[0] and "no-such-org/no-such-model" in lines[0]
-    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"{plan}: model.path: no such folder: {tmp_path.resolve() / 'no-such-org/no-such-model'} (nor a model in the "
+        "Hugging Face cache, and HF_HUB_OFFLINE is set) (got 'no-such-org/no-such-model')"]
+    assert not (tmp_path / "runs").exists()
 
 
 def test_secrets_never_reach_the_manifest(tmp_path, local_model):

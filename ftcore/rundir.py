@@ -107,7 +107,15 @@ def replace_atomically(partial: Path, final: Path) -> None:
         os.replace(final, old)
     os.replace(partial, final)
     if old is not None:
-        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        remove(old)
+
+
+def remove(path: Path) -> None:
+    """Delete a file, a link or a whole folder, if there is one (ftcore's own temporary ones only)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def sha256(path: Path) -> str:

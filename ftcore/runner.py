@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -355,10 +354,7 @@ class Runner:
                                 load_full_precision_base=lambda: self._full_precision_base(state),
                                 final_path=path, adapter_base=lambda: self._adapter_base(state))
             if self.info.is_main:
-                if partial.is_dir() and not partial.is_symlink():
-                    shutil.rmtree(partial)
-                elif partial.exists() or partial.is_symlink():
-                    partial.unlink()
+                rundir.remove(partial)  # a killed export's leftover
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with calling(export.exporter, "export"):
                     artifact = Path(export.exporter.create().export(ctx) or partial)
@@ -415,7 +411,7 @@ class Runner:
         if not (saved / "config.json").is_file() and self.info.is_main:
             model, tokenizer = self.model_at("base")
             partial = saved.with_name(".base.partial")
-            shutil.rmtree(partial, ignore_errors=True)
+            rundir.remove(partial)
             model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
             rundir.replace_atomically(partial, saved)

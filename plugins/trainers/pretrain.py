@@ -10,12 +10,13 @@ import ftcore
 from ftcore.errors import FtcoreError
 from ftcore.types import LearningRate
 
+from ftcore_plugins.trainers._loss import LossOptions
 from ftcore_plugins.trainers._training import TrainOptions, tokenize_splits
 from ftcore_plugins.trainers.sft import SFT
 
 
-class PretrainOptions(TrainOptions):
-    """The ``pretrain`` stage's options: the shared training options, with a higher learning rate."""
+class PretrainOptions(TrainOptions, LossOptions):
+    """The ``pretrain`` stage's options: the shared training options and the loss's, with a higher learning rate."""
 
     learning_rate: LearningRate = 1e-3
 

@@ -16,11 +16,13 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.estimate import TrainerMemory
+from ftcore_plugins.trainers._loss import LossOptions, full_cross_entropy, record_token_metrics, resolve_kernel, \
+    with_chunked_loss
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
 
-class SFTOptions(TrainOptions):
-    """The ``sft`` stage's options: the shared training options and these three."""
+class SFTOptions(TrainOptions, LossOptions):
+    """The ``sft`` stage's options: the shared training options, the loss's, and these three."""
 
     train_on_inputs: bool = False  # also train on system/user tokens
     truncation: Literal["truncate_response", "truncate_prompt", "drop"] = "truncate_response"
@@ -46,6 +48,13 @@ class SFT(TrainChecks, TrainerMemory, Component):
         trainer_cls = self.trainer_class(ctx)
         if self.compute_loss is not None:
             trainer_cls = with_loss(trainer_cls, self.compute_loss)
+        else:
+            kernel = resolve_kernel(self.options.loss_kernel, ctx.model, sharded=sharded_head(ctx.run))
+            ctx.reporter.log(ctx.stage, {"loss_kernel": kernel}, step=0)
+            if kernel == "chunked":
+                trainer_cls = with_chunked_loss(trainer_cls, entropy=self.options.log_entropy)
+            elif kernel == "full":
+                trainer_cls = with_loss(trainer_cls, full_cross_entropy, entropy=self.options.log_entropy)
         return run_trl(ctx, self.options, train, evaluation, packing=False, trainer_cls=trainer_cls,
                        config=self.trl_config(ctx))
 
@@ -84,11 +93,11 @@ class SFT(TrainChecks, TrainerMemory, Component):
 SFTTrainer = SFT  # the name before SFT became public; kept for existing imports
 
 
-def with_loss(trainer_cls: type, loss: Any) -> type:
+def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
     """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` whose loss is
     ``loss(outputs, labels, num_items_in_batch)``, computed from one forward pass with the full
-    logits. It keeps the metrics TRL's own ``compute_loss`` records (token accuracy, entropy,
-    tokens seen: the stage's ``train_tokens``), computed from the same logits. (TRL's
+    logits. It keeps the metrics TRL's own ``compute_loss`` records (token accuracy, entropy unless
+    ``entropy`` is False, tokens seen: the stage's ``train_tokens``), computed from the same logits. (TRL's
     ``compute_loss_func`` argument would do it with a second forward pass, and is deprecated.)"""
     import torch
 
@@ -103,28 +112,28 @@ def with_loss(trainer_cls: type, loss: Any) -> type:
             if self.args.average_tokens_across_devices and num_items_in_batch is not None:
                 value = value * (self.accelerator.num_processes // self.get_tp_size())
             with torch.no_grad():
-                logits, targets = outputs.logits[:, :-1], labels[:, 1:].to(outputs.logits.device)
+                # Past the virtual tokens prompt tuning prepends to the logits.
+                logits = outputs.logits[:, -labels.size(1):-1]
+                targets = labels[:, 1:].to(logits.device)
                 mask = targets != -100
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                entropy = -(logp.exp() * logp).sum(-1)
-                gather = self.accelerator.gather_for_metrics
-                n = gather(mask.sum()).sum()
-                correct = gather(((logits.argmax(-1) == targets) & mask).sum()).sum()
-                entropy_sum = gather((entropy * mask).sum()).sum()
-                self._metrics[mode]["entropy"].append((entropy_sum / n).item() if n > 0 else 0.0)
-                self._metrics[mode]["mean_token_accuracy"].append((correct / n).item() if n > 0 else 0.0)
-                if mode == "train":
-                    if "attention_mask" in inputs:
-                        tokens = gather(inputs["attention_mask"].sum()).sum().item()
-                    else:  # padding-free packing: one row of position ids
-                        tokens = gather(torch.tensor(inputs["position_ids"].size(1),
-                                                     device=logits.device)).sum().item()
-                    self._total_train_tokens += tokens // self._tp_size
-                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+                entropy_sum = None
+                if entropy:
+                    logp = torch.log_softmax(logits.float(), dim=-1)
+                    entropy_sum = (-(logp.exp() * logp).sum(-1) * mask).sum()
+                record_token_metrics(self, mode, inputs, mask.sum(), ((logits.argmax(-1) == targets) & mask).sum(),
+                                     entropy_sum)
             return (value, outputs) if return_outputs else value
 
     CustomLoss.__name__ = CustomLoss.__qualname__ = f"{trainer_cls.__name__}WithLoss"
     return CustomLoss
+
+
+def sharded_head(run: Any) -> bool:
+    """Whether the run's engine shards the LM head across processes (FSDP, ZeRO-3)."""
+    d = getattr(getattr(run, "plan", None), "distributed", None)
+    if d is None or getattr(run, "world_size", 1) == 1:
+        return False
+    return d.engine == "fsdp" or (d.engine == "deepspeed" and d.zero_stage == 3)
 
 
 def chosen_as_chat(data):

@@ -1,0 +1,273 @@
+"""The language-model loss of ``sft`` and ``pretrain`` (and trainers built on them).
+
+``loss_kernel`` picks how it is computed:
+
+- ``chunked`` (the default): cross-entropy on the trained tokens only, a few hundred rows of logits
+  at a time. Each chunk's gradient is computed in the forward pass, while its logits are at hand,
+  so the backward pass only scales it: the same matrix products as the plain loss, and no more
+  than one chunk's logits ever exist. Plain torch, so it runs wherever the model does.
+- ``full``: the whole sequence's logits, then cross-entropy (what transformers does); the
+  reference the others are checked against.
+- ``trl``: TRL's fused LM head as ``trl.SFTTrainer`` ships it (tiled, recomputed in backward, with
+  entropy and top-1 for every position).
+
+Token accuracy is logged with each of them; entropy costs a pass over the logits, so it is logged
+only with ``log_entropy = true``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ftcore.component import Options
+
+LossKernel = Literal["chunked", "full", "trl"]
+
+# Logit elements per chunk (fp32): 16M is 64 MiB, ~110 tokens of a 150k vocabulary, and a few
+# temporaries of that size live at once. Large enough that the products stay efficient.
+CHUNK_ELEMENTS = 1 << 24
+
+
+class LossOptions(Options):
+    """The options of the trainers whose loss is next-token cross-entropy."""
+
+    loss_kernel: LossKernel = "chunked"  # how the loss is computed (see docs/trainers.md)
+    log_entropy: bool = False  # also log the mean entropy of the predictions (one more pass over the logits)
+
+
+def chunked_cross_entropy(hidden: Any, weight: Any, bias: Any, targets: Any, *, softcap: float | None = None,
+                          scale: float = 1.0, entropy: bool = False,
+                          chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Any, Any, Any]:
+    """The summed negative log-likelihood of ``targets`` under ``hidden @ weight.T (+ bias)``, the number
+    of targets that are the argmax, and the summed entropy (None unless ``entropy``), without ever
+    holding more than ``chunk_elements`` logits. ``hidden`` is (N, H), ``targets`` (N,) with no
+    ignored positions. Logits are ``softcap * tanh(scale * z / softcap)`` when ``softcap`` is set
+    (Gemma 2/3), else ``scale * z``. Differentiable in ``hidden``, ``weight`` and ``bias``."""
+    import torch
+
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    chunk = max(1, chunk_elements // weight.shape[0])
+    return _nll_function().apply(hidden, weight, bias, targets, chunk, softcap, scale, grads, entropy)
+
+
+@functools.cache
+def _nll_function() -> Any:
+    import torch
+
+    class ChunkedNLL(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, bias, targets, chunk, softcap, scale, grads, entropy):
+            device = hidden.device
+            acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least, whatever the model's dtype
+            nll = torch.zeros((), device=device, dtype=acc)
+            correct = torch.zeros((), device=device, dtype=torch.long)
+            entropy_sum = torch.zeros((), device=device, dtype=acc) if entropy else None
+            need_h, need_w, need_b = (grads and flag for flag in ctx.needs_input_grad[:3])
+            grad_h = torch.empty(hidden.shape, device=device, dtype=acc) if need_h else None
+            grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
+            grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b else None
+            for start in range(0, hidden.shape[0], chunk):
+                h, t = hidden[start:start + chunk], targets[start:start + chunk]
+                z = torch.mm(h, weight.t())
+                if bias is not None:
+                    z = z + bias
+                z = z.to(acc)
+                if scale != 1.0:
+                    z.mul_(scale)
+                tanh = None
+                if softcap:
+                    tanh = torch.tanh(z / softcap)
+                    z = tanh * softcap
+                rows = torch.arange(t.shape[0], device=device)
+                target = z[rows, t]
+                top, best = z.max(-1)
+                correct += (best == t).sum()
+                # In place, to hold one chunk of logits: z - max, then its exp, then p (softmax).
+                d = z.sub_(top.unsqueeze(-1))
+                e = d.exp() if entropy_sum is not None else d.exp_()
+                total = e.sum(-1)
+                nll += (top + total.log() - target).sum()
+                if entropy_sum is not None:  # H = log(sum e) - sum(e * d) / sum(e)
+                    entropy_sum += (total.log() - (e * d).sum(-1) / total).sum()
+                    del d, z
+                if grad_h is None and grad_w is None and grad_b is None:
+                    continue
+                # the gradient of -log p_t is p - onehot(t)
+                p = e.div_(total.unsqueeze(-1))
+                p[rows, t] -= 1.0
+                if tanh is not None:
+                    p.mul_(1.0 - tanh * tanh)
+                if scale != 1.0:
+                    p.mul_(scale)
+                g = p.to(weight.dtype)
+                if grad_h is not None:
+                    grad_h[start:start + chunk] = torch.mm(g, weight).to(acc)
+                if grad_w is not None:
+                    grad_w.addmm_(p.t(), h.to(acc))
+                if grad_b is not None:
+                    grad_b += p.sum(0)
+            ctx.grads = (grad_h, grad_w, grad_b)
+            ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+            ctx.mark_non_differentiable(*(x for x in (correct, entropy_sum) if x is not None))
+            return nll, correct, entropy_sum
+
+        @staticmethod
+        def backward(ctx, grad_nll, *_):
+            out = [None if g is None else (g * grad_nll).to(dtype) for g, dtype in zip(ctx.grads, ctx.dtypes)]
+            ctx.grads = None
+            return (*out, None, None, None, None, None, None)
+
+    return ChunkedNLL
+
+
+def logit_transform(config: Any) -> tuple[float | None, float] | None:
+    """The final-logit softcap and scale a model applies after its LM head, or None for a transform
+    this loss does not reproduce (those models use ``full``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text, key, None) is not None for key in ("logits_scaling", "lm_head_multiplier",
+                                                             "output_multiplier")):
+        return None
+    scale = getattr(text, "logit_scale", None)
+    return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+
+
+def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False) -> str:
+    """``chunked`` where it reproduces the model's loss exactly; else ``trl`` for an LM head that FSDP
+    or ZeRO-3 shards (``sharded``: TRL's kernel gathers it), and ``full`` for a mixture of experts'
+    auxiliary loss or a logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
+    if kernel != "chunked":
+        return kernel
+    if sharded:
+        return "trl"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    config = getattr(base, "config", None)
+    if head is None or config is None or logit_transform(config) is None:
+        return "full"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False):
+        return "full"
+    if not hasattr(base, getattr(base, "base_model_prefix", "") or "\0"):
+        return "full"
+    return kernel
+
+
+def add_chunked_head(model: Any, *, entropy: bool) -> None:
+    """Patch the transformers model under ``model`` (PEFT's base model) so that
+    ``model(..., labels=labels, chunked_loss=True)`` returns a ``ChunkedLoss`` (the summed loss
+    of the shifted labels, the trained tokens, the correct ones, the entropy) instead of logits.
+    Without ``chunked_loss`` the forward is the original one: generation is unchanged.
+    ``strip_forward_patches`` removes the patch, as it removes TRL's."""
+    import types
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    original = base.forward
+    softcap, scale = logit_transform(base.config)
+    output = _output_class()
+    prefix = base.base_model_prefix
+
+    @functools.wraps(type(base).forward)  # generate() checks its kwargs against the signature
+    def forward(self, *args, chunked_loss=False, labels=None, **kwargs):
+        if not chunked_loss:
+            if labels is not None:
+                kwargs["labels"] = labels
+            return original(*args, **kwargs)
+        kwargs["use_cache"] = False
+        hidden = getattr(self, prefix)(*args, **kwargs).last_hidden_state
+        head = self.get_output_embeddings()
+        targets = labels[:, 1:].to(head.weight.device)
+        mask = targets != -100
+        # Only the trained positions are projected: prompts and padding cost no logits.
+        nll, correct, entropy_sum = chunked_cross_entropy(
+            hidden[:, :-1].to(head.weight.device)[mask], head.weight, head.bias, targets[mask],
+            softcap=softcap, scale=scale, entropy=entropy)
+        return output(loss=nll, tokens=mask.sum(), correct=correct, entropy=entropy_sum)
+
+    base.forward = types.MethodType(forward, base)
+
+
+@functools.cache
+def _output_class() -> type:
+    """:class:`ChunkedLoss`, a ``ModelOutput`` (so DDP and accelerate can walk it), made on first use:
+    importing this module must not import torch."""
+    from dataclasses import dataclass
+
+    import torch
+    from transformers.utils import ModelOutput
+
+    @dataclass
+    class ChunkedLoss(ModelOutput):
+        loss: torch.Tensor | None = None  # summed over the trained tokens
+        tokens: torch.Tensor | None = None
+        correct: torch.Tensor | None = None
+        entropy: torch.Tensor | None = None  # summed; None unless asked for
+
+    return ChunkedLoss
+
+
+def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens: Any, correct: Any,
+                         entropy_sum: Any | None) -> None:
+    """The metrics TRL's ``SFTTrainer.compute_loss`` records, from a step's counts: token accuracy,
+    entropy (when computed), and the real tokens seen (the stage's ``train_tokens``)."""
+    import torch
+
+    gather = trainer.accelerator.gather_for_metrics
+    n = gather(tokens.detach()).sum()
+    if entropy_sum is not None:
+        total = gather(entropy_sum.detach()).sum()
+        trainer._metrics[mode]["entropy"].append((total / n).item() if n > 0 else 0.0)
+    right = gather(correct.detach()).sum()
+    trainer._metrics[mode]["mean_token_accuracy"].append((right / n).item() if n > 0 else 0.0)
+    if mode == "train":
+        if "attention_mask" in inputs:
+            seen = gather(inputs["attention_mask"].sum()).sum().item()
+        else:  # padding-free packing: one row of position ids
+            ids = inputs["position_ids"]
+            seen = gather(torch.tensor(ids.size(1), device=ids.device)).sum().item()
+        trainer._total_train_tokens += seen // trainer._tp_size
+    trainer._metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
+
+
+def with_chunked_loss(trainer_cls: type, *, entropy: bool) -> type:
+    """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` whose loss is
+    :func:`chunked_cross_entropy` through :func:`add_chunked_head`."""
+    import torch
+
+    class ChunkedLossTrainer(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            add_chunked_head(self.model, entropy=entropy)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            mode = "train" if self.model.training else "eval"
+            out = model(**inputs, use_cache=False, chunked_loss=True)
+            items = out.tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+            loss = out.loss / items
+            # As TRL's loss: num_items_in_batch counts every rank's tokens, and DDP averages over ranks.
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            record_token_metrics(self, mode, inputs, out.tokens, out.correct, out.entropy)
+            if return_outputs:  # logits asked for (compute_metrics): one more forward pass, as TRL does
+                with torch.no_grad():
+                    out = model(**{k: v for k, v in inputs.items() if k != "labels"})
+                return loss, out
+            return loss
+
+    ChunkedLossTrainer.__name__ = ChunkedLossTrainer.__qualname__ = f"{trainer_cls.__name__}ChunkedLoss"
+    return ChunkedLossTrainer
+
+
+def full_cross_entropy(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+    """The plain loss from the whole sequence's logits (``loss_kernel = "full"``): the mean over the
+    trained tokens, or their sum over ``num_items_in_batch`` (all micro-batches' trained tokens)."""
+    import torch
+
+    logits = outputs.logits[:, -labels.size(1):-1].float()  # past the virtual tokens prompt tuning prepends
+    targets = labels[:, 1:].to(logits.device)
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                                              ignore_index=-100, reduction="sum")
+    items = (targets != -100).sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return total / items

@@ -12,6 +12,7 @@ from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.model import resolve_model_path
+from ftcore_plugins.models._attention import Attention, attention_problem
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -27,10 +28,13 @@ class HFModelLoader(Component):
         dtype: Literal[DTYPES] = "auto"  # type: ignore[valid-type]
         revision: str | None = None
         trust_remote_code: bool = False  # never on unless the plan says so
-        attn_implementation: str | None = None
+        attn_implementation: Attention | None = None  # transformers' default (sdpa) when unset
         token: SecretStr | None = None  # hub token; redacted from the manifest
 
         _paths = field_validator("path", "tokenizer")(resolve_model_path)
+
+    def check(self, plan) -> list[str]:
+        return [p for p in [attention_problem(self.options.attn_implementation)] if p]
 
     def load(self, ctx):
         from transformers import AutoModelForCausalLM, AutoTokenizer

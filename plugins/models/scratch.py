@@ -12,6 +12,8 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.types import InputPath
 
+from ftcore_plugins.models._attention import Attention, attention_problem
+
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
 
@@ -34,6 +36,7 @@ class ScratchModelLoader(Component):
         tokenizer_data: list[str] = []  # ... or train one on these [data.*] entries
         vocab_size: int = Field(2048, ge=1, le=1 << 22)
         special_tokens: list[str] = ["<|im_start|>", "<|im_end|>"]
+        attn_implementation: Attention | None = None  # transformers' default (sdpa) when unset
 
     def check(self, plan) -> list[str]:
         o = self.options
@@ -43,7 +46,8 @@ class ScratchModelLoader(Component):
         for i, name in enumerate(o.tokenizer_data):
             if name not in plan.data:
                 problems.append(f"tokenizer_data[{i}]: undefined data {name!r}; defined: {', '.join(plan.data)}")
-        return problems
+        attention = attention_problem(o.attn_implementation)
+        return problems + ([attention] if attention else [])
 
     def load(self, ctx):
         import torch
@@ -65,7 +69,8 @@ class ScratchModelLoader(Component):
         config = self.model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(ctx.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        extra = {"attn_implementation": o.attn_implementation} if o.attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
         n = sum(p.numel() for p in model.parameters())
         ctx.reporter.info(f"scratch model: {o.architecture}, {o.num_layers} layers, hidden {o.hidden_size}, "
                           f"{n:,} parameters, vocabulary {len(tokenizer):,}")

@@ -11,6 +11,9 @@
 - ``trl``: TRL's fused LM head as ``trl.SFTTrainer`` ships it (tiled, recomputed in backward, with
   entropy and top-1 for every position).
 
+``liger = true`` (CUDA only) adds Liger's kernels for the layers (RMSNorm, RoPE, SwiGLU, through
+TRL's ``use_liger_kernel``) and makes the ``chunked`` loss Liger's fused linear cross-entropy.
+
 Token accuracy is logged with each of them; entropy costs a pass over the logits, so it is logged
 only with ``log_entropy = true``.
 """
@@ -22,9 +25,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from ftcore.memory import gpu_visible
 from ftcore.component import Options
 
-LossKernel = Literal["chunked", "full", "trl"]
+LossKernel = Literal["chunked", "full", "trl"]  # "liger" is what "chunked" becomes with liger = true
 
 # Logit elements per chunk (fp32): 16M is 64 MiB, ~110 tokens of a 150k vocabulary, and a few
 # temporaries of that size live at once. Large enough that the products stay efficient.
@@ -36,6 +40,22 @@ class LossOptions(Options):
 
     loss_kernel: LossKernel = "chunked"  # how the loss is computed (see docs/trainers.md)
     log_entropy: bool = False  # also log the mean entropy of the predictions (one more pass over the logits)
+    liger: bool = False  # Liger's Triton kernels: the layers, and the loss (fused linear cross-entropy); CUDA only
+    neftune_noise_alpha: float | None = Field(None, gt=0, le=1000)  # NEFTune: noise on the embeddings in training
+
+
+def loss_problems(o: LossOptions) -> list[str]:
+    """``ftcore validate`` problems of the loss options on this machine."""
+    import importlib.util
+
+    if not o.liger:
+        return []
+    if not gpu_visible():
+        return ["liger: Liger's kernels are Triton kernels for CUDA GPUs, and none is visible here; "
+                "remove liger = true (the default chunked loss already keeps the logits small)"]
+    if importlib.util.find_spec("liger_kernel") is None:
+        return ["liger: the liger-kernel package is not installed (pip install 'ftcore[liger]')"]
+    return []
 
 
 def chunked_cross_entropy(hidden: Any, weight: Any, bias: Any, targets: Any, *, softcap: float | None = None,
@@ -134,10 +154,11 @@ def logit_transform(config: Any) -> tuple[float | None, float] | None:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
-def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False) -> str:
-    """``chunked`` where it reproduces the model's loss exactly; else ``trl`` for an LM head that FSDP
-    or ZeRO-3 shards (``sharded``: TRL's kernel gathers it), and ``full`` for a mixture of experts'
-    auxiliary loss or a logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
+def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: bool = False) -> str:
+    """``chunked`` where it reproduces the model's loss exactly (``liger`` with ``liger``, where no
+    logit scale is needed); else ``trl`` for an LM head that FSDP or ZeRO-3 shards (``sharded``: TRL's
+    kernel gathers it), and ``full`` for a mixture of experts' auxiliary loss or a logit transform
+    this loss does not know. ``model`` may be PEFT-wrapped."""
     if kernel != "chunked":
         return kernel
     if sharded:
@@ -152,13 +173,17 @@ def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False) -> str:
         return "full"
     if not hasattr(base, getattr(base, "base_model_prefix", "") or "\0"):
         return "full"
+    if liger and logit_transform(config)[1] == 1.0:
+        return "liger"
     return kernel
 
 
-def add_chunked_head(model: Any, *, entropy: bool) -> None:
+def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False) -> None:
     """Patch the transformers model under ``model`` (PEFT's base model) so that
     ``model(..., labels=labels, chunked_loss=True)`` returns a ``ChunkedLoss`` (the summed loss
-    of the shifted labels, the trained tokens, the correct ones, the entropy) instead of logits.
+    of the shifted labels, the trained tokens, the correct ones, the entropy) instead of logits:
+    from :func:`chunked_cross_entropy`, or with ``liger`` from Liger's fused linear cross-entropy
+    (which gives no entropy).
     Without ``chunked_loss`` the forward is the original one: generation is unchanged.
     ``strip_forward_patches`` removes the patch, as it removes TRL's."""
     import types
@@ -168,6 +193,10 @@ def add_chunked_head(model: Any, *, entropy: bool) -> None:
     softcap, scale = logit_transform(base.config)
     output = _output_class()
     prefix = base.base_model_prefix
+    if liger:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        fused = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=softcap, return_token_accuracy=True)
 
     @functools.wraps(type(base).forward)  # generate() checks its kwargs against the signature
     def forward(self, *args, chunked_loss=False, labels=None, **kwargs):
@@ -181,9 +210,13 @@ def add_chunked_head(model: Any, *, entropy: bool) -> None:
         targets = labels[:, 1:].to(head.weight.device)
         mask = targets != -100
         # Only the trained positions are projected: prompts and padding cost no logits.
-        nll, correct, entropy_sum = chunked_cross_entropy(
-            hidden[:, :-1].to(head.weight.device)[mask], head.weight, head.bias, targets[mask],
-            softcap=softcap, scale=scale, entropy=entropy)
+        trained, wanted = hidden[:, :-1].to(head.weight.device)[mask], targets[mask]
+        if liger:
+            out = fused(head.weight, trained, wanted, head.bias)
+            nll, correct, entropy_sum = out.loss, (out.token_accuracy * wanted.numel()).round().long(), None
+        else:
+            nll, correct, entropy_sum = chunked_cross_entropy(trained, head.weight, head.bias, wanted,
+                                                              softcap=softcap, scale=scale, entropy=entropy)
         return output(loss=nll, tokens=mask.sum(), correct=correct, entropy=entropy_sum)
 
     base.forward = types.MethodType(forward, base)
@@ -231,15 +264,15 @@ def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens
     trainer._metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
 
 
-def with_chunked_loss(trainer_cls: type, *, entropy: bool) -> type:
+def with_chunked_loss(trainer_cls: type, *, entropy: bool, liger: bool = False) -> type:
     """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` whose loss is
-    :func:`chunked_cross_entropy` through :func:`add_chunked_head`."""
+    :func:`chunked_cross_entropy` (or Liger's, with ``liger``) through :func:`add_chunked_head`."""
     import torch
 
     class ChunkedLossTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            add_chunked_head(self.model, entropy=entropy)
+            add_chunked_head(self.model, entropy=entropy, liger=liger)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             mode = "train" if self.model.training else "eval"

@@ -6,13 +6,14 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ftcore.component import Options
 from ftcore.memory import gpu_visible
 from ftcore.types import LearningRate, Tokens
 
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
+from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem
 
 
 class TrainOptions(Options):
@@ -26,7 +27,7 @@ class TrainOptions(Options):
     warmup_ratio: float = Field(0.0, ge=0, lt=1)  # share of the steps spent warming up
     warmup_steps: int = Field(0, ge=0)  # or a number of steps
     weight_decay: float = Field(0.0, ge=0)
-    optimizer: str = "adamw_torch"
+    optimizer: str = "adamw_torch"  # a transformers optimizer name (adamw_8bit, adafactor, lion, galore_adamw, ...)
     max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
     # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
@@ -43,6 +44,11 @@ class TrainOptions(Options):
     guard_spike_window: int = Field(20, ge=2)  # steps in that mean
     guard_max_grad_norm: float | None = Field(None, gt=0)  # warn when the gradient norm (before clipping) exceeds it
 
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        return optimizer_name(value)
+
 
 def training_problems(component: Any, plan: Any) -> list[str]:
     """``check(plan)`` problems of the shared training options, for the stages that use ``component``."""
@@ -58,6 +64,9 @@ def training_problems(component: Any, plan: Any) -> list[str]:
     if o.precision == "fp16" and not gpu_visible():
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
     for stage in stages:
+        problem = optimizer_problem(o.optimizer, adapter=stage.adapter.name)
+        if problem and problem not in problems:
+            problems.append(problem)
         if stage.eval_data is not None:
             continue
         for key in ("eval_steps", "early_stopping_patience"):
@@ -146,7 +155,7 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         lr_scheduler_type=scheduler,
         warmup_steps=o.warmup_steps or o.warmup_ratio,  # a float below 1 is a ratio of the total steps
         weight_decay=o.weight_decay,
-        optim=o.optimizer,
+        **optimizer_arguments(o.optimizer),
         max_grad_norm=o.max_grad_norm,
         activation_checkpointing=o.gradient_checkpointing,
         bf16=precision == "bf16",

@@ -18,6 +18,7 @@ from ftcore.errors import FtcoreError
 from ftcore.types import LearningRate, RewardRef, StageRef
 
 from ftcore_plugins.common.model import trainable_counts
+from ftcore_plugins.trainers._optimizers import optimizer_arguments
 from ftcore_plugins.trainers._training import TrainOptions, resolve_precision, training_problems
 
 # Shared options that have no meaning here: PPO has no eval loss, and its loss (a surrogate that
@@ -103,7 +104,8 @@ class PPOTrainer(Component):
         set_seed(ctx.seed)
         # The optimizer's settings as transformers resolves an ``optim`` name; built before the
         # Accelerator, since TrainingArguments resets accelerate's shared state.
-        args = TrainingArguments(output_dir=str(ctx.checkpoint_dir), optim=o.optimizer, learning_rate=o.learning_rate,
+        args = TrainingArguments(output_dir=str(ctx.checkpoint_dir), **optimizer_arguments(o.optimizer),
+                                 learning_rate=o.learning_rate,
                                  weight_decay=o.weight_decay, report_to="none")
         mixed = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[resolve_precision(o.precision)]
         accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=o.gradient_accumulation_steps)

@@ -16,8 +16,8 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.trainers._loss import LossOptions, full_cross_entropy, record_token_metrics, resolve_kernel, \
-    with_chunked_loss
+from ftcore_plugins.trainers._loss import LossOptions, full_cross_entropy, loss_problems, record_token_metrics, \
+    resolve_kernel, with_chunked_loss
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
 
@@ -43,20 +43,27 @@ class SFT(TrainChecks, TrainerMemory, Component):
     # It is used for the training loss and the eval loss alike.
     compute_loss = None
 
+    def check(self, plan: Any) -> list[str]:
+        return [*super().check(plan), *loss_problems(self.options)]
+
     def train(self, ctx: Any) -> dict[str, Any]:
         train, evaluation = self.prepare_data(ctx)
         trainer_cls = self.trainer_class(ctx)
         if self.compute_loss is not None:
             trainer_cls = with_loss(trainer_cls, self.compute_loss)
         else:
-            kernel = resolve_kernel(self.options.loss_kernel, ctx.model, sharded=sharded_head(ctx.run))
+            kernel = resolve_kernel(self.options.loss_kernel, ctx.model, sharded=sharded_head(ctx.run),
+                                    liger=self.options.liger)
             ctx.reporter.log(ctx.stage, {"loss_kernel": kernel}, step=0)
-            if kernel == "chunked":
-                trainer_cls = with_chunked_loss(trainer_cls, entropy=self.options.log_entropy)
+            if kernel in ("chunked", "liger"):
+                trainer_cls = with_chunked_loss(trainer_cls, entropy=self.options.log_entropy,
+                                                liger=kernel == "liger")
             elif kernel == "full":
                 trainer_cls = with_loss(trainer_cls, full_cross_entropy, entropy=self.options.log_entropy)
-        return run_trl(ctx, self.options, train, evaluation, packing=False, trainer_cls=trainer_cls,
-                       config=self.trl_config(ctx))
+        o = self.options
+        # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
+        config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
+        return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:

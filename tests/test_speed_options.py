@@ -1,0 +1,162 @@
+"""The speed and memory options: attention kernels, Liger, NEFTune and optimizers by name.
+Those that run on CPU are trained with here; the CUDA-only ones must be refused by
+``ftcore validate`` with one line on this machine (no GPU), and the wiring of Liger's loss is
+checked with a stand-in for its Triton kernel (the kernel itself cannot run without CUDA)."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from ftcore.memory import gpu_visible
+from ftcore.testing import chat_rows, run_ftcore, stage_context, tiny_model, write_plan
+
+no_gpu = pytest.mark.skipif(gpu_visible(), reason="checks the refusal on a machine without a GPU")
+
+
+def _validate(tmp_path, overrides):
+    r = run_ftcore("validate", write_plan(tmp_path, overrides), cwd=tmp_path)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    return r.exit_code, lines
+
+
+def _stage(**options):
+    return {"stage": [{"name": "s", "trainer": "sft", "data": "chat", **options}]}
+
+
+@no_gpu
+@pytest.mark.parametrize("overrides,expected", [
+    ({"model": {"attn_implementation": "flash_attention_2"}},
+     "model.attn_implementation: flash_attention_2 needs a CUDA GPU and none is visible here"),
+    ({"model": {"attn_implementation": "flash_attention_3"}},
+     "model.attn_implementation: flash_attention_3 needs a CUDA GPU and none is visible here"),
+    (_stage(liger=True), "stage[0].liger: Liger's kernels are Triton kernels for CUDA GPUs, and none is visible"),
+])
+def test_gpu_only_options_are_refused_here_in_one_line(tmp_path, overrides, expected):
+    code, lines = _validate(tmp_path, overrides)
+    assert code == 2 and len(lines) == 1 and expected in lines[0], lines
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (_stage(optimizer="adamw_9bit"), "stage[0].optimizer: unknown optimizer 'adamw_9bit'; did you mean 'adamw_8bit'?"),
+    (_stage(optimizer="galore_adamw", adapter="lora"),
+     "stage[0].optimizer: galore_adamw projects the gradients of whole weight matrices"),
+    ({"model": {"attn_implementation": "flash"}}, "model.attn_implementation: input should be 'sdpa'"),
+    (_stage(neftune_noise_alpha=0), "stage[0].neftune_noise_alpha: input should be greater than 0"),
+])
+def test_bad_values_are_refused_in_one_line(tmp_path, overrides, expected):
+    code, lines = _validate(tmp_path, overrides)
+    assert code == 2 and len(lines) == 1 and expected in lines[0], lines
+
+
+def test_optimizer_names_are_transformers_names():
+    from transformers.training_args import OptimizerNames
+
+    from ftcore_plugins.trainers._optimizers import ALIASES, OPTIMIZERS
+
+    assert set(OPTIMIZERS) | set(ALIASES.values()) <= {o.value for o in OptimizerNames}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,lr", [("adamw_torch_fused", 3e-3), ("adafactor", 3e-3), ("adamw_8bit", 3e-3),
+                                          ("paged_adamw_8bit", 3e-3), ("lion", 1e-3), ("galore_adamw", 3e-3)])
+def test_optimizers_that_run_on_cpu_train(tmp_path, optimizer, lr):
+    pytest.importorskip("bitsandbytes")
+    if optimizer.startswith("galore"):
+        pytest.importorskip("galore_torch")
+    plan = write_plan(tmp_path, _stage(adapter="full", max_steps=12, batch_size=8, max_length=64, learning_rate=lr,
+                                       logging_steps=1, save_steps=100, optimizer=optimizer))
+    r = run_ftcore("run", plan, cwd=tmp_path, in_process=True).check()
+    losses = list(r.losses("s").values())
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses  # the loss falls
+
+
+@pytest.mark.slow
+def test_attention_kernels_train_the_same(tmp_path):
+    """sdpa (transformers' default) and eager give the same losses, packed rows included."""
+    runs = {}
+    for kernel in ("eager", "sdpa"):
+        plan = write_plan(tmp_path, {"run": {"name": kernel}, "model": {"attn_implementation": kernel},
+                                     **_stage(adapter="lora", max_steps=4, packing=True, logging_steps=1,
+                                              save_steps=100)}, name=f"{kernel}.toml")
+        runs[kernel] = run_ftcore("run", plan, cwd=tmp_path, in_process=True).check().losses("s")
+    assert len(runs["sdpa"]) == 4 and runs["sdpa"] == pytest.approx(runs["eager"], abs=1e-5)
+
+
+def test_neftune_noise_in_training_only(tmp_path):
+    """NEFTune (neftune_noise_alpha) puts noise on the embeddings of training forwards only: not in
+    the stage's evaluation, not in generation afterwards."""
+    import torch
+
+    from ftcore_plugins.trainers.sft import SFT
+
+    tiny = tiny_model(tmp_path)
+    embeddings = tiny.model.get_input_embeddings()
+    seen = []  # (training, noisy) per forward: the first layer's input against the clean embeddings
+    clean = []
+
+    def embedded(module, args, output):  # runs before NEFTune's hook, registered later by the Trainer
+        clean.append(output.detach().clone())
+
+    def first_layer(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        seen.append((module.training, not torch.equal(hidden, clean.pop())))
+
+    embeddings.register_forward_hook(embedded)
+    tiny.model.model.layers[0].register_forward_pre_hook(first_layer, with_kwargs=True)
+    trainer = SFT(SFT.Options(max_steps=2, batch_size=4, max_length=64, logging_steps=1, save_steps=100,
+                              neftune_noise_alpha=5.0, eval_steps=1))
+    ctx = stage_context(tiny, tmp_path, eval_rows=chat_rows(8, seed=1))
+    trainer.train(ctx)
+    train, evaluation = [n for t, n in seen if t], [n for t, n in seen if not t]
+    assert train and all(train), seen
+    assert evaluation and not any(evaluation), seen
+    seen.clear()
+    ids = tiny.tokenizer("Which is an animal?", return_tensors="pt").input_ids
+    ctx.model.eval()
+    ctx.model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert seen and not any(n for _, n in seen)
+
+
+def test_liger_loss_wiring_with_a_stand_in(tmp_path, monkeypatch):
+    """liger = true sends the trained positions' hidden states, the LM head's weight and the targets to
+    Liger's fused linear cross-entropy (summed). A stand-in for its CUDA-only kernel (a mock: Triton
+    does not run here) computes the same loss in torch, so the logged loss must equal the chunked one."""
+    import torch
+
+    calls = []
+
+    class StandIn(torch.nn.Module):
+        def __init__(self, reduction="mean", softcap=None, return_token_accuracy=False, **kw):
+            super().__init__()
+            assert reduction == "sum" and return_token_accuracy and softcap is None
+            self.accuracy = return_token_accuracy
+
+        def forward(self, weight, hidden, target, bias=None):
+            calls.append((tuple(hidden.shape), tuple(weight.shape), tuple(target.shape)))
+            logits = hidden @ weight.t()
+            loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum")
+            return types.SimpleNamespace(loss=loss, token_accuracy=(logits.argmax(-1) == target).float().mean())
+
+    module = types.ModuleType("liger_kernel.transformers.fused_linear_cross_entropy")
+    module.LigerFusedLinearCrossEntropyLoss = StandIn
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.fused_linear_cross_entropy", module)
+
+    from ftcore_plugins.trainers._loss import add_chunked_head
+    from ftcore_plugins.common.model import strip_forward_patches
+
+    tiny = tiny_model(tmp_path)
+    ids = tiny.tokenizer(["Which is an animal? red cat tree. the cat"], return_tensors="pt").input_ids
+    labels = ids.clone()
+    labels[:, :4] = -100
+    add_chunked_head(tiny.model, entropy=False)
+    reference = tiny.model(input_ids=ids, labels=labels, chunked_loss=True)
+    strip_forward_patches(tiny.model)
+    add_chunked_head(tiny.model, entropy=False, liger=True)
+    out = tiny.model(input_ids=ids, labels=labels, chunked_loss=True)
+    assert calls and calls[0][0][0] == (labels[:, 1:] != -100).sum().item()
+    assert out.loss.item() == pytest.approx(reference.loss.item(), rel=1e-6)
+    assert out.correct.item() == reference.correct.item()

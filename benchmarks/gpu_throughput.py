@@ -17,7 +17,10 @@ full-length rows):
 * ftcore: ``ftcore run`` of a plan (``hf`` loader, ``lora`` adapter, ``nf4`` for QLoRA) with ftcore's
   defaults plus the speed options it has: ``packing = true`` (best-fit, padding-free: one row of
   concatenated samples, position ids restart per sample) and ``gradient_checkpointing = true``.
-  ftcore has no Liger kernel or torch.compile option; none is used.
+* ftcore + OPTION (``--options``): the ftcore arm with one speed or memory option on top, each
+  its own arm (``OPTIONS`` below: attention kernels, Liger, NEFTune, loss kernels, optimizers).
+  Those that need CUDA are listed as skipped on a machine without it, so the first run on a GPU
+  measures them all with one command: ``--options all``.
 
 Measured per arm: real (non-padding) tokens/s over the timed steps (a callback counts the tokens
 each forward saw), peak memory (``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS
@@ -81,6 +84,7 @@ output_dir = "runs"
 use = "hf"
 path = "{model}"
 dtype = "{dtype}"
+{model_extra}
 
 {quantizer}
 
@@ -104,7 +108,25 @@ logging_steps = 1
 save_steps = 1000000
 packing = true
 gradient_checkpointing = true
+{stage_extra}
 """
+# ftcore arms with one option on top of its defaults: name -> ([model] lines, [[stage]] lines, needs CUDA)
+OPTIONS = {
+    "sdpa": ('attn_implementation = "sdpa"', "", False),
+    "eager": ('attn_implementation = "eager"', "", False),
+    "flash-attention-2": ('attn_implementation = "flash_attention_2"', "", True),
+    "flash-attention-3": ('attn_implementation = "flash_attention_3"', "", True),
+    "flex-attention": ('attn_implementation = "flex_attention"', "", True),
+    "liger": ("", "liger = true", True),
+    "neftune": ("", "neftune_noise_alpha = 5.0", False),
+    "loss-full": ("", 'loss_kernel = "full"', False),
+    "loss-trl": ("", 'loss_kernel = "trl"', False),
+    "adamw-fused": ("", 'optimizer = "adamw_torch_fused"', False),
+    "adamw-8bit": ("", 'optimizer = "adamw_8bit"', False),
+    "paged-adamw-8bit": ("", 'optimizer = "paged_adamw_8bit"', False),
+    "adafactor": ("", 'optimizer = "adafactor"', False),
+    "lion-8bit": ("", 'optimizer = "lion_8bit"', False),
+}
 
 
 def synthetic_rows(n: int, max_length: int, seed: int = 0) -> list[dict]:
@@ -258,7 +280,10 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
     token_ids = prepare(datasets.Dataset.from_list(rows), tokenizer, ChatMLTemplate(), max_length=max_length).dataset
     recorder = ModelProbe().install()
     results = {}
-    for arm in ("baseline", "ftcore"):
+    for arm in ("baseline", "ftcore", *args.options):
+        if arm in OPTIONS and OPTIONS[arm][2] and not gpu:
+            results[f"ftcore+{arm}"] = {"skipped": "needs CUDA"}
+            continue
         gc.collect()  # the previous arm's model and optimizer are gone before the peak is reset
         if gpu:
             torch.cuda.empty_cache()
@@ -268,13 +293,16 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
         else:
             adapter = '"full"' if method == "full" else \
                 "{{ use = \"lora\", r = {r}, lora_alpha = {lora_alpha}, lora_dropout = {lora_dropout} }}".format(**LORA)
-            plan = work / "plan.toml"
-            plan.write_text(PLAN.format(name="ftcore", model=folder, dtype="bfloat16" if gpu else "float32",
+            model_extra, stage_extra, _ = OPTIONS.get(arm, ("", "", False))
+            plan = work / f"{arm}.toml"
+            plan.write_text(PLAN.format(name=arm, model=folder, dtype="bfloat16" if gpu else "float32",
+                                        model_extra=model_extra, stage_extra=stage_extra,
                                         quantizer='[quantizer]\nuse = "bnb-nf4"' if method == "qlora" else "",
                                         adapter=adapter, max_steps=args.steps, batch_size=batch_size,
                                         max_length=max_length, learning_rate=LEARNING_RATE))
             run_ftcore(plan)
-        results[arm] = measure(recorder, args.warmup, method, peak_flops)
+        results[arm if arm in ("baseline", "ftcore") else f"ftcore+{arm}"] = \
+            measure(recorder, args.warmup, method, peak_flops)
     shutil.rmtree(work, ignore_errors=True)  # the saved model: 16 GB for 8B
     return results
 
@@ -283,9 +311,12 @@ def table(results: dict[str, dict], peak_note: str) -> str:
     lines = ["| run | arm | real tokens/s | x baseline | peak memory GiB | x baseline | MFU | "
              "loss (mean of last 10) | max per-step loss diff |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, arms in results.items():
-        b, f = arms["baseline"], arms["ftcore"]
-        diff = max((abs(x - y) for x, y in zip(b["losses"], f["losses"])), default=float("nan"))
-        for label, r in (("HF+TRL defaults", b), ("ftcore", f)):
+        b = arms["baseline"]
+        for label, r in (("HF+TRL defaults", b), *((k, v) for k, v in arms.items() if k != "baseline")):
+            if "skipped" in r:
+                lines.append(f"| {name} | {label} | skipped: {r['skipped']} (unmeasured) | | | | | | |")
+                continue
+            diff = max((abs(x - y) for x, y in zip(b["losses"], r["losses"])), default=float("nan"))
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             last = r["losses"][-10:]
             speed = r["tokens_per_s"] / b["tokens_per_s"]
@@ -303,11 +334,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help="untimed steps at the start (default 5; tiny 2)")
     parser.add_argument("--rows", type=int, help="synthetic rows (default: enough for the steps)")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device, for MFU")
+    parser.add_argument("--options", default="", help="comma-separated option arms after the ftcore arm, or "
+                        f"'all': {', '.join(OPTIONS)}")
     parser.add_argument("--json", type=Path, help="also write the measurements here")
     parser.add_argument("--append-results", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     args.steps = args.steps or (8 if args.tiny else 50)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5)
+    args.options = list(OPTIONS) if args.options == "all" else [o for o in args.options.split(",") if o]
+    bad = [o for o in args.options if o not in OPTIONS]
+    if bad:
+        parser.error(f"unknown option arm(s) {', '.join(bad)}; there are {', '.join(OPTIONS)}")
     catalogue = TINY_RUNS if args.tiny else RUNS
     names = args.runs.split(",") if args.runs else list(catalogue)
     unknown = [n for n in names if n not in catalogue]

@@ -57,6 +57,27 @@ def test_gpu_throughput_tiny_mode(tmp_path):
 
 
 @pytest.mark.slow
+def test_gpu_throughput_option_arms_tiny_mode(tmp_path):
+    """Each speed option is an arm of its own; the CUDA-only ones are listed as skipped here, unmeasured."""
+    import torch
+
+    out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", "3", "--warmup", "1",
+                "--options", "neftune,adamw-8bit,loss-full,liger,flash-attention-2", "--json", str(tmp_path / "r.json"))
+    measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
+    labels = [r[1] for r in table_rows(out)]
+    assert labels == ["HF+TRL defaults", "ftcore", "ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full",
+                      "ftcore+liger", "ftcore+flash-attention-2"]
+    for arm in ("ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full"):
+        assert measured[arm]["timed_tokens"] > 0 and len(measured[arm]["losses"]) == 3
+    # The same batches and weights: the loss kernels agree; NEFTune's noise changes the first step's loss.
+    assert measured["ftcore+loss-full"]["losses"] == pytest.approx(measured["ftcore"]["losses"], abs=1e-5)
+    assert measured["ftcore+neftune"]["losses"][0] != pytest.approx(measured["ftcore"]["losses"][0], abs=1e-6)
+    if not torch.cuda.is_available():
+        assert measured["ftcore+liger"] == measured["ftcore+flash-attention-2"] == {"skipped": "needs CUDA"}
+        assert "skipped: needs CUDA (unmeasured)" in out
+
+
+@pytest.mark.slow
 def test_overhead_arms_do_the_same_work(tmp_path):
     out = bench("overhead.py", "--blocks", "2", "--steps", "5", "--warmup", "2", "--rows", "200",
                 "--json", str(tmp_path / "r.json"))

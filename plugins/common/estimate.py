@@ -213,6 +213,12 @@ _EIGHT_BIT = {  # one byte per state value (+ a block constant per 2048 values)
 # log-probabilities, probabilities, the gradient and the temporaries of its formula);
 # with Triton (CUDA) one tile in the compute dtype and the kernel's own buffers.
 _TILE_TOKENS, _TILE_VOCAB = 4096, 32768
+# sft/pretrain's own loss (plugins/trainers/_loss.py), per loss_kernel. "chunked": a chunk of
+# the trainer's loss_chunk_elements fp32 logits, turned in place into probabilities and gradient, plus the
+# max/index/sum rows and the autograd copies: about 2 chunks. "full": the logits in the
+# model's dtype, their fp32 copy, the log-softmax and its gradient.
+_CHUNK_BUFFERS = 2.0
+_FULL_LOGIT_COPIES = 3
 _CPU_TILES, _CUDA_TILES = 8.5, 2.0
 _MMAP_THRESHOLD_MAX = 32 * MiB  # glibc, 64-bit: larger blocks are always mmapped, and unmapped when freed
 
@@ -257,7 +263,7 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     then query, attention output, o_proj input and one more hidden-width tensor, key and value,
     and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
     on a 16-bit base a copy of each adapted layer's input in the adapter's dtype. Then the
-    fused LM head's working set. With checkpointing only each layer's input is kept, and one
+    loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM head. With checkpointing only each layer's input is kept, and one
     layer at a time is recomputed in backward, with its gradients.
     """
     import torch
@@ -307,11 +313,24 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     per_layer = tokens * (2 * norm * h + (3 * q_dim + h + 2 * kv_dim + 4 * inter) * lin)
     per_layer += tokens * (lora_outputs * 4 + lora_inputs * lora_copy) / layers
     final_norm = tokens * h * norm
-    # The fused LM head: the hidden states it keeps, its fp32 gradient, and its tiles.
     rows = batch_size * max(seq_len - 1, 1)
-    tile = min(rows, _TILE_TOKENS) * min(vocab, _TILE_VOCAB)
-    tiles = tile * (_CUDA_TILES * lin if device == "cuda" else _CPU_TILES * 4)
-    head = rows * h * lin + rows * h * 4 + tiles + head_grad
+    kernel = getattr(getattr(trainer, "options", None), "loss_kernel", "trl")
+    if kernel == "chunked":
+        # The trained rows' hidden states (a copy), their fp32 gradient, and the chunk's working set;
+        # a trained head's fp32 gradient is accumulated in the forward pass.
+        chunk = trainer.loss_chunk_elements
+        work = min(rows, max(1, chunk // max(vocab, 1))) * vocab * 4 * _CHUNK_BUFFERS
+        trained_head = getattr(getattr(model, "get_output_embeddings", lambda: None)(), "weight", None)
+        head = rows * h * lin + rows * h * 4 + work + head_grad
+        if trained_head is not None and trained_head.requires_grad:
+            head += trained_head.numel() * 4
+    elif kernel == "full":
+        head = rows * vocab * (lin + 4 * _FULL_LOGIT_COPIES) + head_grad
+    else:
+        # TRL's fused LM head: the hidden states it keeps, its fp32 gradient, and its tiles.
+        tile = min(rows, _TILE_TOKENS) * min(vocab, _TILE_VOCAB)
+        tiles = tile * (_CUDA_TILES * lin if device == "cuda" else _CPU_TILES * 4)
+        head = rows * h * lin + rows * h * 4 + tiles + head_grad
     # peft's LoRA forward makes three output-sized temporaries per adapted layer (the base
     # layer's output, the adapter's, the scaled adapter output) before the sum it returns. On
     # CPU glibc's malloc keeps about two of them per layer resident in its heap (measured, with

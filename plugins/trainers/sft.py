@@ -16,7 +16,7 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.trainers._loss import LossOptions, full_cross_entropy, loss_problems, record_token_metrics, \
+from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, full_cross_entropy, loss_problems, record_token_metrics, \
     resolve_kernel, with_chunked_loss
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
@@ -42,6 +42,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
     # micro-batches (divide by it, as gradient accumulation expects) or None. Returns a scalar tensor.
     # It is used for the training loss and the eval loss alike.
     compute_loss = None
+    loss_chunk_elements = CHUNK_ELEMENTS  # logits per chunk of the chunked loss (for ftcore estimate)
 
     def check(self, plan: Any) -> list[str]:
         return [*super().check(plan), *loss_problems(self.options)]

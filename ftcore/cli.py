@@ -69,6 +69,10 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Before torch loads its OpenMP runtime, which reads it once: threads that wait for work sleep
+    # instead of spinning. Spinning threads make a run beside other busy processes several times
+    # slower (benchmarks/contention.py); a user's own setting wins. Workers inherit it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     code = _main(argv)
     if os.environ.get("FTCORE_LAUNCH_DIR"):  # a worker: tell our launcher how this rank ended
         from .launch import record_exit

@@ -123,3 +123,31 @@ def test_validate_data_tiny_mode():
     assert len(times) == 2 and min(times) > 0
     rounding = 0.0005 * (1 + ratio) / times[0] + 0.005  # the times are printed to the millisecond
     assert ratio == pytest.approx(times[1] / times[0], abs=rounding)
+
+
+def test_openmp_threads_wait_passively_unless_the_user_says(monkeypatch):
+    """ftcore sets OMP_WAIT_POLICY=PASSIVE before torch loads (spinning OpenMP threads slow a run
+    beside other busy processes several times over); a user's own setting is kept."""
+    from ftcore.cli import main
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+@pytest.mark.slow
+def test_contention_tiny_mode(tmp_path):
+    out = bench("contention.py", "--tiny", "--json", str(tmp_path / "r.json"))
+    rates = json.loads((tmp_path / "r.json").read_text())["rates"]
+    assert set(rates) == {"ftcore default / 0 busy", "ftcore default / 1 busy",
+                          "OMP_WAIT_POLICY=ACTIVE / 0 busy", "OMP_WAIT_POLICY=ACTIVE / 1 busy"}
+    assert all(v > 0 for v in rates.values())
+    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.startswith(("ftcore", "OMP"))}
+    for policy in ("ftcore default", "OMP_WAIT_POLICY=ACTIVE"):
+        alone, beside = rates[f"{policy} / 0 busy"], rates[f"{policy} / 1 busy"]
+        assert f"{alone / beside:.2f}x" in rows[policy]

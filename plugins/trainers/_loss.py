@@ -2,10 +2,10 @@
 
 ``loss_kernel`` picks how it is computed:
 
-- ``chunked`` (the default): cross-entropy on the trained tokens only, a few hundred rows of logits
-  at a time. Each chunk's gradient is computed in the forward pass, while its logits are at hand,
-  so the backward pass only scales it: the same matrix products as the plain loss, and no more
-  than one chunk's logits ever exist. Plain torch, so it runs wherever the model does.
+- ``chunked`` (the default): cross-entropy on the trained tokens only, 16M logits at a time
+  (about 110 rows of a 150k vocabulary). Each chunk's gradient is computed in the forward pass,
+  while its logits are at hand, so the backward pass only scales it: the same matrix products as
+  the plain loss, and no more than one chunk's logits ever exist. Plain torch, so it runs wherever the model does.
 - ``full``: the whole sequence's logits, then cross-entropy (what transformers does); the
   reference the others are checked against.
 - ``trl``: TRL's fused LM head as ``trl.SFTTrainer`` ships it (tiled, recomputed in backward, with
@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ftcore.memory import gpu_visible
 from ftcore.component import Options
+from ftcore.memory import gpu_visible
 
 LossKernel = Literal["chunked", "full", "trl"]  # "liger" is what "chunked" becomes with liger = true
 

@@ -16,8 +16,8 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, full_cross_entropy, loss_problems, record_token_metrics, \
-    resolve_kernel, with_chunked_loss
+from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, full_cross_entropy, loss_problems, \
+    record_token_metrics, resolve_kernel, with_chunked_loss
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
 
@@ -105,8 +105,8 @@ def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
     """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` whose loss is
     ``loss(outputs, labels, num_items_in_batch)``, computed from one forward pass with the full
     logits. It keeps the metrics TRL's own ``compute_loss`` records (token accuracy, entropy unless
-    ``entropy`` is False, tokens seen: the stage's ``train_tokens``), computed from the same logits. (TRL's
-    ``compute_loss_func`` argument would do it with a second forward pass, and is deprecated.)"""
+    ``entropy`` is False, tokens seen: the stage's ``train_tokens``), computed from the same logits.
+    (TRL's ``compute_loss_func`` argument would do it with a second forward pass, and is deprecated.)"""
     import torch
 
     class CustomLoss(trainer_cls):

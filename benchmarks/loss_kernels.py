@@ -11,7 +11,8 @@ Configs (random init, nothing downloaded):
 Per arm: the median step time over ``--steps`` steps after one warm-up step, and the peak RSS
 during the steps above the RSS before them (``ftcore.memory``: VmHWM reset by clear_refs).
 Arms alternate within each repeat, so a slower moment of the machine falls on all of them.
-``--tiny`` is the test's mode: a small model, one repeat, one step.
+``--grads`` also saves each arm's LoRA gradients of the first step and prints the largest
+difference from the full loss's. ``--tiny`` is the test's mode: a small model, one repeat, one step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +42,9 @@ CONFIGS = {
 }
 
 
-def arm(config_name: str, kernel: str, steps: int) -> dict:
-    """One arm, in this process: build the model, take 1 + ``steps`` forward/backward steps."""
+def arm(config_name: str, kernel: str, steps: int, grads: Path | None = None) -> dict:
+    """One arm, in this process: build the model, take 1 + ``steps`` forward/backward steps; with
+    ``grads``, save the first step's trainable gradients there (safetensors)."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
@@ -70,7 +74,7 @@ def arm(config_name: str, kernel: str, steps: int) -> dict:
         # As trl.SFTTrainer installs it, with the outputs its metrics read.
         add_fused_lm_head(model.get_base_model(), outputs=("log_probs", "entropy", "is_top1"))
 
-    def step() -> float:
+    def step(keep: Path | None = None) -> float:
         if kernel == "full":
             out = model(**{k: v for k, v in batch.items() if k != "labels"}, use_cache=False)
             loss = full_cross_entropy(out, labels)
@@ -81,10 +85,14 @@ def arm(config_name: str, kernel: str, steps: int) -> dict:
             out = model(**batch, use_cache=False, fused_lm_head=True)
             loss = -out.log_probs.sum() / out.label_mask.sum()
         loss.backward()
+        if keep is not None:
+            from safetensors.torch import save_file
+
+            save_file({n: p.grad.contiguous() for n, p in model.named_parameters() if p.requires_grad}, str(keep))
         model.zero_grad(set_to_none=True)
         return loss.item()
 
-    loss = step()  # warm-up
+    loss = step(grads)  # warm-up
     before = memory.snapshot()["rss_mib"]
     memory.reset_peak()
     times = []
@@ -105,34 +113,51 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="a small model, one repeat, one step (the test's mode)")
     p.add_argument("--arm", nargs=2, metavar=("CONFIG", "KERNEL"), help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--grads", action="store_true",
+                   help="also compare each arm's LoRA gradients of the first step with the full loss's")
+    p.add_argument("--grads-file", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.arm:
-        print(json.dumps(arm(a.arm[0], a.arm[1], a.steps)))
+        print(json.dumps(arm(a.arm[0], a.arm[1], a.steps, a.grads_file)))
         return
     configs, repeats, steps = (["tiny"], 1, 1) if a.tiny else (a.config, a.repeats, a.steps)
     results: dict[tuple[str, str], list[dict]] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="ftcore-loss-kernels-"))
     for config in configs:
         for r in range(repeats):
             order = KERNELS if r % 2 == 0 else KERNELS[::-1]
             for kernel in order:
-                out = subprocess.run([sys.executable, __file__, "--arm", config, kernel, "--steps", str(steps)],
+                extra = ["--grads-file", str(tmp / f"{config}-{kernel}.safetensors")] if a.grads and r == 0 else []
+                out = subprocess.run([sys.executable, __file__, "--arm", config, kernel, "--steps", str(steps), *extra],
                                      capture_output=True, text=True, check=True)
                 results.setdefault((config, kernel), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+    grad_diff = {}
+    if a.grads:
+        from safetensors.torch import load_file
+
+        for config in configs:
+            ref = load_file(str(tmp / f"{config}-full.safetensors"))
+            for kernel in KERNELS:
+                mine = load_file(str(tmp / f"{config}-{kernel}.safetensors"))
+                grad_diff[(config, kernel)] = max((mine[k] - ref[k]).abs().max().item() for k in ref)
+    shutil.rmtree(tmp, ignore_errors=True)
     rows = []
     for (config, kernel), runs in results.items():
         rows.append({"config": config, "kernel": kernel, "params": runs[0]["params"], "loss": runs[0]["loss"],
+                     "max_grad_diff": grad_diff.get((config, kernel)),
                      "step_s": statistics.median(r["step_s"] for r in runs),
                      "peak_above_mib": statistics.median(r["peak_above_mib"] for r in runs)})
     if a.json:
         print(json.dumps(rows, indent=1))
         return
     print(f"{'config':<12} {'kernel':<8} {'loss':>9} {'step s':>8} {'x full':>7} {'x trl':>7} "
-          f"{'peak MiB':>9} {'x full':>7}")
+          f"{'peak MiB':>9} {'x full':>7}" + (f" {'grad diff':>10}" if a.grads else ""))
     for row in rows:
         ref = {r["kernel"]: r for r in rows if r["config"] == row["config"]}
         print(f"{row['config']:<12} {row['kernel']:<8} {row['loss']:>9.5f} {row['step_s']:>8.3f} "
               f"{row['step_s'] / ref['full']['step_s']:>7.2f} {row['step_s'] / ref['trl']['step_s']:>7.2f} "
-              f"{row['peak_above_mib']:>9.0f} {row['peak_above_mib'] / max(ref['full']['peak_above_mib'], 1):>7.2f}")
+              f"{row['peak_above_mib']:>9.0f} {row['peak_above_mib'] / max(ref['full']['peak_above_mib'], 1):>7.2f}"
+              + (f" {row['max_grad_diff']:>10.2e}" if row["max_grad_diff"] is not None else ""))
 
 
 if __name__ == "__main__":

@@ -151,3 +151,15 @@ def test_contention_tiny_mode(tmp_path):
     for policy in policies:
         alone, beside = rates[f"{policy} / 0 busy"], rates[f"{policy} / 1 busy"]
         assert f"{alone / beside:.2f}x" in rows[policy]
+
+
+@pytest.mark.slow
+def test_loss_kernels_tiny_mode():
+    """The three loss kernels, each in its own process, reach the same loss and LoRA gradients."""
+    rows = json.loads(bench("loss_kernels.py", "--tiny", "--grads", "--json"))
+    assert [r["kernel"] for r in rows] == ["full", "trl", "chunked"]
+    full = rows[0]
+    for row in rows:
+        assert row["loss"] == pytest.approx(full["loss"], abs=1e-5)
+        assert row["max_grad_diff"] < 1e-5
+        assert row["step_s"] > 0 and row["peak_above_mib"] >= 0

@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--tiny", action="store_true", help="a small model, one repeat, one step (the test's mode)")
     p.add_argument("--arm", nargs=2, metavar=("CONFIG", "KERNEL"), help=argparse.SUPPRESS)
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--grads", action="store_true",
                    help="also compare each arm's LoRA gradients of the first step with the full loss's")
     p.add_argument("--grads-file", type=Path, help=argparse.SUPPRESS)
@@ -148,8 +148,7 @@ def main() -> None:
                      "step_s": statistics.median(r["step_s"] for r in runs),
                      "peak_above_mib": statistics.median(r["peak_above_mib"] for r in runs)})
     if a.json:
-        print(json.dumps(rows, indent=1))
-        return
+        a.json.write_text(json.dumps(rows, indent=1))
     print(f"{'config':<12} {'kernel':<8} {'loss':>9} {'step s':>8} {'x full':>7} {'x trl':>7} "
           f"{'peak MiB':>9} {'x full':>7}" + (f" {'grad diff':>10}" if a.grads else ""))
     for row in rows:

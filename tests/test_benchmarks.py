@@ -154,12 +154,19 @@ def test_contention_tiny_mode(tmp_path):
 
 
 @pytest.mark.slow
-def test_loss_kernels_tiny_mode():
+def test_loss_kernels_tiny_mode(tmp_path):
     """The three loss kernels, each in its own process, reach the same loss and LoRA gradients."""
-    rows = json.loads(bench("loss_kernels.py", "--tiny", "--grads", "--json"))
+    out = bench("loss_kernels.py", "--tiny", "--grads", "--json", str(tmp_path / "r.json"))
+    rows = json.loads((tmp_path / "r.json").read_text())
     assert [r["kernel"] for r in rows] == ["full", "trl", "chunked"]
-    full = rows[0]
+    full, trl = rows[0], rows[1]
+    printed = {line.split()[1]: line.split() for line in out.splitlines() if line.startswith("tiny ")}
     for row in rows:
         assert row["loss"] == pytest.approx(full["loss"], abs=1e-5)
         assert row["max_grad_diff"] < 1e-5
         assert row["step_s"] > 0 and row["peak_above_mib"] >= 0
+        # The table's ratios are the measured values'.
+        cells = printed[row["kernel"]]
+        assert float(cells[3]) == pytest.approx(row["step_s"], abs=1e-3)  # printed to 3 decimals
+        assert float(cells[4]) == pytest.approx(row["step_s"] / full["step_s"], abs=0.01)
+        assert float(cells[5]) == pytest.approx(row["step_s"] / trl["step_s"], abs=0.01)

@@ -161,3 +161,15 @@ def test_kernels_train_the_same(tmp_path, trainer, data, adapter):
     assert accuracy["chunked"] == pytest.approx(accuracy["full"], abs=1e-6)
     assert runs["full"].losses("s", "entropy") and not runs["chunked"].losses("s", "entropy")
     assert {r.get("loss_kernel") for r in runs["chunked"].metrics} >= {"chunked"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral", "phi3", "gemma"])
+def test_other_families_match(model_type):
+    """Today's families the fixtures hold tokenizers and templates for: the same loss and gradients."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0,
+        tie_word_embeddings=model_type != "mistral")
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    _compare(model, _batch(), list(model.parameters()))

@@ -213,9 +213,9 @@ _EIGHT_BIT = {  # one byte per state value (+ a block constant per 2048 values)
 # log-probabilities, probabilities, the gradient and the temporaries of its formula);
 # with Triton (CUDA) one tile in the compute dtype and the kernel's own buffers.
 _TILE_TOKENS, _TILE_VOCAB = 4096, 32768
-# sft/pretrain's own loss (plugins/trainers/_loss.py), per loss_kernel. "chunked": a chunk of
-# the trainer's loss_chunk_elements fp32 logits, turned in place into probabilities and gradient, plus the
-# max/index/sum rows and the autograd copies: about 2 chunks. "full": the logits in the
+# sft/pretrain's own loss (plugins/trainers/_loss.py), per loss_kernel. "chunked": a chunk of the
+# trainer's loss_chunk_elements fp32 logits, turned in place into probabilities and gradient, plus
+# the max/index/sum rows and the autograd copies: about 2 chunks. "full": the logits in the
 # model's dtype, their fp32 copy, the log-softmax and its gradient.
 _CHUNK_BUFFERS = 2.0
 _FULL_LOGIT_COPIES = 3
@@ -263,8 +263,9 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     then query, attention output, o_proj input and one more hidden-width tensor, key and value,
     and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
     on a 16-bit base a copy of each adapted layer's input in the adapter's dtype. Then the
-    loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM head. With checkpointing only each layer's input is kept, and one
-    layer at a time is recomputed in backward, with its gradients.
+    loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM head.
+    With checkpointing only each layer's input is kept, and one layer at a time is recomputed in
+    backward, with its gradients.
     """
     import torch
 

@@ -166,14 +166,15 @@ def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: boo
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     config = getattr(base, "config", None)
-    if head is None or config is None or logit_transform(config) is None:
+    transform = logit_transform(config) if config is not None else None
+    if head is None or transform is None:
         return "full"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "output_router_logits", False):
         return "full"
     if not hasattr(base, getattr(base, "base_model_prefix", "") or "\0"):
         return "full"
-    if liger and logit_transform(config)[1] == 1.0:
+    if liger and transform[1] == 1.0:
         return "liger"
     return kernel
 
@@ -241,6 +242,22 @@ def _output_class() -> type:
     return ChunkedLoss
 
 
+def across_ranks(trainer: Any, loss: Any, num_items_in_batch: Any) -> Any:
+    """As TRL's loss: ``num_items_in_batch`` counts every rank's tokens, and DDP averages the
+    gradients over ranks, so a loss divided by it is scaled back up by the number of ranks."""
+    if trainer.args.average_tokens_across_devices and num_items_in_batch is not None:
+        return loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
+    return loss
+
+
+def sharded_head(run: Any) -> bool:
+    """Whether the run's engine shards the LM head across processes (FSDP, ZeRO-3)."""
+    d = getattr(getattr(run, "plan", None), "distributed", None)
+    if d is None or getattr(run, "world_size", 1) == 1:
+        return False
+    return d.engine == "fsdp" or (d.engine == "deepspeed" and d.zero_stage == 3)
+
+
 def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens: Any, correct: Any,
                          entropy_sum: Any | None) -> None:
     """The metrics TRL's ``SFTTrainer.compute_loss`` records, from a step's counts: token accuracy,
@@ -279,9 +296,7 @@ def with_chunked_loss(trainer_cls: type, *, entropy: bool, liger: bool = False) 
             out = model(**inputs, use_cache=False, chunked_loss=True)
             items = out.tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
             loss = out.loss / items
-            # As TRL's loss: num_items_in_batch counts every rank's tokens, and DDP averages over ranks.
-            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            loss = across_ranks(self, loss, num_items_in_batch)
             record_token_metrics(self, mode, inputs, out.tokens, out.correct, out.entropy)
             if return_outputs:  # logits asked for (compute_metrics): one more forward pass, as TRL does
                 with torch.no_grad():

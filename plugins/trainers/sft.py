@@ -16,8 +16,8 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, full_cross_entropy, loss_problems, \
-    record_token_metrics, resolve_kernel, with_chunked_loss
+from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, across_ranks, full_cross_entropy, \
+    loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
 
@@ -116,9 +116,7 @@ def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
             inputs = {k: v for k, v in inputs.items() if k != "labels"}
             outputs = model(**inputs, use_cache=False)
             value = loss(outputs, labels, num_items_in_batch)
-            # As TRL's loss: num_items_in_batch counts every rank's tokens, and DDP averages over ranks.
-            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-                value = value * (self.accelerator.num_processes // self.get_tp_size())
+            value = across_ranks(self, value, num_items_in_batch)
             with torch.no_grad():
                 # Past the virtual tokens prompt tuning prepends to the logits.
                 logits = outputs.logits[:, -labels.size(1):-1]
@@ -134,14 +132,6 @@ def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
 
     CustomLoss.__name__ = CustomLoss.__qualname__ = f"{trainer_cls.__name__}WithLoss"
     return CustomLoss
-
-
-def sharded_head(run: Any) -> bool:
-    """Whether the run's engine shards the LM head across processes (FSDP, ZeRO-3)."""
-    d = getattr(getattr(run, "plan", None), "distributed", None)
-    if d is None or getattr(run, "world_size", 1) == 1:
-        return False
-    return d.engine == "fsdp" or (d.engine == "deepspeed" and d.zero_stage == 3)
 
 
 def chosen_as_chat(data):

@@ -45,7 +45,7 @@ class StepRecorder(TrainerCallback):
         if ids is None or not self.real:
             return
         self.total[-1] += ids.numel()
-        self.real[-1] += int(mask.sum()) if mask is not None else ids.numel()  # padding-free: no pads
+        self.real[-1] += real_positions(ids, mask)
 
     def on_step_begin(self, args, state, control, **kw):
         self.begins.append(time.perf_counter())
@@ -72,6 +72,20 @@ class StepRecorder(TrainerCallback):
         defaults = transformers.trainer.DEFAULT_CALLBACKS
         defaults[:] = [c for c in defaults if not isinstance(c, StepRecorder)] + [self]  # one recorder at a time
         return self
+
+
+def real_positions(ids: Any, mask: Any) -> int:
+    """The positions of a batch that are not padding: by a 2D mask (0 is padding; packed masks that
+    number the samples 1, 2, ... count once each), by a 4D mask (a query row that may attend to
+    something; additive masks allow with 0), or every position of a padding-free batch."""
+    import torch
+
+    if mask is None:
+        return ids.numel()
+    if mask.dim() == 4:
+        allowed = mask if mask.dtype == torch.bool else mask == 0
+        return int(allowed[:, 0].any(-1).sum())
+    return int((mask != 0).sum())
 
 
 def run_ftcore(plan_path: Path) -> dict[str, Any]:

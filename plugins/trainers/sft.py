@@ -18,6 +18,7 @@ from ftcore.errors import FtcoreError
 from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
+from ftcore_plugins.trainers._packing import per_sample_sdpa
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
 
 
@@ -64,7 +65,10 @@ class SFT(TrainChecks, TrainerMemory, Component):
         o = self.options
         # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
         config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
-        return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)
+        with per_sample_sdpa(ctx.model, packed=bool(config.get("packing"))) as attention:
+            if attention:
+                ctx.reporter.log(ctx.stage, {"packed_attention": attention}, step=0)
+            return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:

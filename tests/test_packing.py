@@ -1,0 +1,159 @@
+"""Packed batches attend sample by sample (``plugins/trainers/_packing.py``): the same logits and
+gradients as each sample alone, on today's families, and the model's own attention afterwards."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from ftcore_plugins.trainers._packing import PER_SAMPLE_SDPA, block_causal_mask, per_sample_sdpa, register  # noqa: E402
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma3_text"]
+
+
+def _model(model_type: str, **extra):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    return model.train()  # dropout is 0 in these configs; train() is what a stage runs in
+
+
+def _packed_row(lengths: list[int], seed: int = 0):
+    """One row as TRL's padding-free collator makes it from best-fit bins, and the samples in it."""
+    from trl.data_utils import pack_dataset
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rng = random.Random(seed)
+    samples = [[rng.randrange(3, 120) for _ in range(n)] for n in lengths]
+    bins = pack_dataset(datasets.Dataset.from_list([{"input_ids": s, "labels": s} for s in samples]),
+                        max(lengths) * 2, strategy="bfd")
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(list(bins))
+    assert "attention_mask" not in batch and len(bins) > 1  # several bins, concatenated into one row
+    return batch, bins
+
+
+def _alone(model, batch, bins):
+    """Each sample's logits from a forward pass of it alone, in the order of the packed row."""
+    pieces = []
+    for row in bins:
+        start = 0
+        for length in row["seq_lengths"]:
+            ids = torch.tensor([row["input_ids"][start:start + length]])
+            pieces.append(model(input_ids=ids, use_cache=False).logits)
+            start += length
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_each_sample_gets_the_logits_and_gradients_it_has_alone(model_type, monkeypatch):
+    extra = {"sliding_window": 6} if model_type in ("mistral", "gemma3_text") else {}  # windows inside samples too
+    model = _model(model_type, **extra)
+    batch, bins = _packed_row([5, 9, 14, 22, 7, 30, 3, 12], seed=len(model_type))
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+
+    reference = _alone(model, batch, bins)
+    reference.square().mean().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    register()
+    model.set_attn_implementation(PER_SAMPLE_SDPA)
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k.get("attn_mask")) or sdpa(*a, **k))
+    packed = model(**inputs, use_cache=False).logits
+    monkeypatch.undo()
+    # No mask over the row was built: one causal call per sample and layer (a mask only for windows).
+    samples = sum(len(row["seq_lengths"]) for row in bins)
+    assert len(calls) == samples * model.config.num_hidden_layers
+    assert all(m is None or m.shape[-1] <= 30 for m in calls)
+    packed.square().mean().backward()
+    assert (packed - reference).abs().max().item() < 1e-5
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert (got - want).abs().max().item() < 1e-5
+
+    # The check can fail: one causal pass over the row lets samples see each other.
+    model.set_attn_implementation("sdpa")
+    crossed = model(input_ids=batch["input_ids"], use_cache=False).logits
+    assert (crossed - reference).abs().max().item() > 1e-3
+
+
+def test_the_mask_it_builds_for_other_paths_is_transformers_own():
+    """Inputs only transformers' SDPA handles (softcap, sinks, ...) get the mask transformers would
+    build for the packed row, sliding window included."""
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function, \
+        sdpa_mask, sliding_window_overlay
+
+    edges = [0, 4, 11, 12, 20]
+    sample = torch.repeat_interleave(torch.arange(4), torch.tensor(edges).diff())[None]
+    for window in (None, 3):
+        function = and_masks(causal_mask_function, packed_sequence_mask_function(sample))
+        if window:
+            function = and_masks(function, sliding_window_overlay(window))
+        want = sdpa_mask(batch_size=1, q_length=20, kv_length=20, mask_function=function, allow_is_causal_skip=False)
+        assert torch.equal(block_causal_mask(edges, window, "cpu"), want)
+
+
+def test_padded_batches_and_generation_are_unchanged():
+    """Everything but a packed row goes to transformers' SDPA with its mask: a padded batch gives
+    the same logits, and generation with a cache the same tokens."""
+    model = _model("qwen2").eval()
+    ids = torch.randint(3, 120, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding, as generation pads
+    want = model(input_ids=ids, attention_mask=mask).logits
+    generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    register()
+    model.set_attn_implementation(PER_SAMPLE_SDPA)
+    assert (model(input_ids=ids, attention_mask=mask).logits - want).abs().max().item() < 1e-6
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False),
+                       generated)
+
+
+def test_only_a_packed_stage_on_sdpa_switches_and_it_switches_back():
+    model = _model("llama")
+    with per_sample_sdpa(model, packed=False) as path:
+        assert path is None and model.config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), per_sample_sdpa(model, packed=True) as path:
+        assert path == "per-sample sdpa" and model.config._attn_implementation == PER_SAMPLE_SDPA
+        raise RuntimeError("a stage that fails")
+    assert model.config._attn_implementation == "sdpa"
+    model.set_attn_implementation("eager")
+    with per_sample_sdpa(model, packed=True) as path:  # what the plan asked for is kept
+        assert path == "eager" and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.slow
+def test_a_packed_stage_trains_as_with_the_full_mask(tmp_path):
+    """Whole packed SFT runs: per-sample SDPA (the default) logs the same losses as eager attention
+    with transformers' block-diagonal mask; checkpoints saved mid-stage don't name ftcore's attention."""
+    import json
+
+    from ftcore.testing import run_ftcore, write_plan
+
+    runs = {}
+    for attention in ("sdpa", "eager"):
+        plan = write_plan(tmp_path, {"run": {"name": attention}, "model": {"attn_implementation": attention},
+                                     "stage": [{"name": "s", "trainer": "sft", "data": "chat", "adapter": "full",
+                                                "max_steps": 5, "batch_size": 4, "max_length": 96, "packing": True,
+                                                "learning_rate": 1e-3, "logging_steps": 1, "save_steps": 2,
+                                                "eval_data": "chat_eval", "eval_steps": 5}]},
+                          name=f"{attention}.toml")
+        runs[attention] = run_ftcore("run", plan, cwd=tmp_path).check()
+    assert {r.get("packed_attention") for r in runs["sdpa"].metrics} >= {"per-sample sdpa"}
+    assert {r.get("packed_attention") for r in runs["eager"].metrics} >= {"eager"}
+    losses = {k: r.losses("s") for k, r in runs.items()}
+    assert len(losses["sdpa"]) == 5 and losses["sdpa"].keys() == losses["eager"].keys()
+    for step, value in losses["sdpa"].items():
+        assert value == pytest.approx(losses["eager"][step], abs=1e-5), step
+    assert runs["sdpa"].stage_metrics("s")["eval_loss"] == pytest.approx(
+        runs["eager"].stage_metrics("s")["eval_loss"], abs=1e-5)
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "sdpa").rglob("config.json")]
+    assert saved and all(PER_SAMPLE_SDPA not in json.dumps(c) for c in saved)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -42,30 +43,45 @@ CONFIGS = {
 }
 
 
-def arm(config_name: str, kernel: str, steps: int, grads: Path | None = None) -> dict:
-    """One arm, in this process: build the model, take 1 + ``steps`` forward/backward steps; with
-    ``grads``, save the first step's trainable gradients there (safetensors)."""
+def lora_model(config_name: str) -> tuple[Any, int]:
+    """The config's model (random init, seed 0, fp32) with LoRA r=16 on every linear layer, in
+    training mode, and the base model's parameter count."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from ftcore import memory
-    from ftcore_plugins.trainers._loss import add_chunked_head, full_cross_entropy
-
-    spec = dict(CONFIGS[config_name])
-    arch, rows, length = spec.pop("arch"), spec.pop("rows"), spec.pop("length")
+    spec = {k: v for k, v in CONFIGS[config_name].items() if k not in ("arch", "rows", "length")}
+    arch = CONFIGS[config_name]["arch"]
     config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
     model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[arch]
     torch.manual_seed(0)
     model = model_cls(config_cls(**spec)).float()
     params = sum(p.numel() for p in model.parameters())
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    model.train()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, spec["vocab_size"], (rows, length), generator=g)
+    return model.train(), params
+
+
+def token_batch(config_name: str, seed: int = 1) -> dict:
+    """The config's batch of random tokens (``seed``), the first 40% of each row a prompt."""
+    import torch
+
+    spec = CONFIGS[config_name]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, spec["vocab_size"], (spec["rows"], spec["length"]), generator=g)
     labels = ids.clone()
-    labels[:, : int(0.4 * length)] = -100
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    labels[:, : int(0.4 * spec["length"])] = -100
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def arm(config_name: str, kernel: str, steps: int, grads: Path | None = None) -> dict:
+    """One arm, in this process: build the model, take 1 + ``steps`` forward/backward steps; with
+    ``grads``, save the first step's trainable gradients there (safetensors)."""
+    from ftcore import memory
+    from ftcore_plugins.trainers._loss import add_chunked_head, full_cross_entropy
+
+    model, params = lora_model(config_name)
+    batch = token_batch(config_name)
+    labels = batch["labels"]
     if kernel == "chunked":
         add_chunked_head(model, entropy=False)
     elif kernel == "trl":

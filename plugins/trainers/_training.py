@@ -13,6 +13,7 @@ from ftcore.memory import gpu_visible
 from ftcore.types import LearningRate, Tokens
 
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
+from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
 from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem
 
 
@@ -30,6 +31,7 @@ class TrainOptions(Options):
     optimizer: str = "adamw_torch"  # a transformers optimizer name (adamw_8bit, adafactor, lion, galore_adamw, ...)
     max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
+    compile: bool = False  # torch.compile the decoder blocks while training (benchmarks/compile.py: pays?)
     # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     logging_steps: int = Field(10, ge=1)
@@ -61,6 +63,8 @@ def training_problems(component: Any, plan: Any) -> list[str]:
     if o.guard_nan == "skip" and d is not None and d.wanted and d.engine == "deepspeed":
         problems.append("guard_nan: \"skip\" cannot drop a step's gradients under DeepSpeed (they live in its "
                         "partitions until its optimizer step); use \"stop\" with engine = \"deepspeed\"")
+    if o.compile and (problem := compile_problem()):
+        problems.append(problem)
     if o.precision == "fp16" and not gpu_visible():
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
     for stage in stages:
@@ -348,7 +352,9 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
                 p.data = p.data.float()
     totals.start()
     try:
-        with stop:
+        with stop, compiled_blocks(trainer.model, o.compile) as compiled:
+            if o.compile:
+                ctx.reporter.log(ctx.stage, {"compiled_blocks": compiled}, step=0)
             result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
     except (MemoryError, torch.OutOfMemoryError):
         # Nothing half-written stays behind: the stage saves its output only after training, and a

@@ -128,32 +128,3 @@ def test_only_a_packed_stage_on_sdpa_switches_and_it_switches_back():
     model.set_attn_implementation("eager")
     with per_sample_sdpa(model, packed=True) as path:  # what the plan asked for is kept
         assert path == "eager" and model.config._attn_implementation == "eager"
-
-
-@pytest.mark.slow
-def test_a_packed_stage_trains_as_with_the_full_mask(tmp_path):
-    """Whole packed SFT runs: per-sample SDPA (the default) logs the same losses as eager attention
-    with transformers' block-diagonal mask; checkpoints saved mid-stage don't name ftcore's attention."""
-    import json
-
-    from ftcore.testing import run_ftcore, write_plan
-
-    runs = {}
-    for attention in ("sdpa", "eager"):
-        plan = write_plan(tmp_path, {"run": {"name": attention}, "model": {"attn_implementation": attention},
-                                     "stage": [{"name": "s", "trainer": "sft", "data": "chat", "adapter": "full",
-                                                "max_steps": 5, "batch_size": 4, "max_length": 96, "packing": True,
-                                                "learning_rate": 1e-3, "logging_steps": 1, "save_steps": 2,
-                                                "eval_data": "chat_eval", "eval_steps": 5}]},
-                          name=f"{attention}.toml")
-        runs[attention] = run_ftcore("run", plan, cwd=tmp_path).check()
-    assert {r.get("packed_attention") for r in runs["sdpa"].metrics} >= {"per-sample sdpa"}
-    assert {r.get("packed_attention") for r in runs["eager"].metrics} >= {"eager"}
-    losses = {k: r.losses("s") for k, r in runs.items()}
-    assert len(losses["sdpa"]) == 5 and losses["sdpa"].keys() == losses["eager"].keys()
-    for step, value in losses["sdpa"].items():
-        assert value == pytest.approx(losses["eager"][step], abs=1e-5), step
-    assert runs["sdpa"].stage_metrics("s")["eval_loss"] == pytest.approx(
-        runs["eager"].stage_metrics("s")["eval_loss"], abs=1e-5)
-    saved = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "sdpa").rglob("config.json")]
-    assert saved and all(PER_SAMPLE_SDPA not in json.dumps(c) for c in saved)

@@ -12,11 +12,13 @@ in the same order (checked: the real tokens per step must be equal). ``--packing
 sides: ftcore's ``packing = true`` and LLaMA-Factory's ``neat_packing`` (its packing without attention
 across samples).
 
-LLaMA-Factory 0.9.5 is installed by this script into its own virtual environment
-(``--venv``, default ``~/.cache/ftcore-benchmarks/llamafactory``) with torch 2.13.0 (CPU) first. Its
-``torchvision``, ``torchaudio``, ``av``, ``gradio`` and ``hf-transfer`` requirements are left out: they
-serve images, audio, video and the web UI, none of which a text LoRA job loads, and there is no CPU
-build of torchvision or torchaudio to install here (pip would pull a CUDA torch with them).
+LLaMA-Factory 0.9.5 is installed by this script into its own virtual environment (``--venv``,
+default ``~/.cache/ftcore-benchmarks/llamafactory``; 6.6 GB, about 6 minutes here) as a new user
+would, with one pin: ``pip install llamafactory==0.9.5`` alone resolves torch 2.15.0 and torchaudio
+2.11.0, and LLaMA-Factory then fails at import (torchaudio refuses a torch built for another CUDA),
+so torch, torchvision and torchaudio are pinned to the matching 2.11.0 / 0.26.0 / 2.11.0. That torch
+is PyPI's CUDA build, which runs on the CPU here; ftcore's arm runs on torch 2.13.0 (CPU). The
+versions are printed with the results.
 
 Each arm runs in a process of its own, the arms alternating (``--rounds`` pairs). Measured the same
 way in both, by a transformers callback installed in the process (``_bench.StepRecorder``): train
@@ -45,12 +47,8 @@ SHARED = ROOT.parent / "shared" / "fixtures"
 LLAMA3 = SHARED / "tokenizers" / "llama3"
 ALPACA = SHARED / "data" / "alpaca_en_demo.json"
 PEER = "llamafactory==0.9.5"
-# LLaMA-Factory 0.9.5's requirements but those a text LoRA job never imports (see the docstring).
-PEER_REQUIREMENTS = [
-    "accelerate>=1.3.0,<=1.11.0", "datasets>=2.16.0,<=4.0.0", "einops", "fire", "peft>=0.18.0,<=0.18.1", "numpy",
-    "omegaconf", "packaging", "pandas", "protobuf", "pydantic", "pyyaml", "safetensors", "scipy", "sentencepiece",
-    "tiktoken", "torchdata>=0.10.0,<=0.11.0", "transformers>=4.55.0,<=5.6.0,!=4.52.0,!=4.57.0",
-    "trl>=0.18.0,<=0.24.0", "tyro<0.9.0", "matplotlib>=3.7.0", "modelscope", "fastapi", "sse-starlette", "uvicorn"]
+# torchaudio 2.11.0 is the newest; the torch and torchvision built with it (see the docstring).
+PEER_PINS = ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0"]
 MODEL = dict(vocab_size=128256, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
              intermediate_size=1024, tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0)
 LOSS_STEPS = (1, 10, 30, 60)
@@ -93,16 +91,15 @@ def child(arm: str, spec: dict) -> None:
 
 # -- setup ------------------------------------------------------------------------------------------
 def peer_python(venv: Path) -> Path:
-    """LLaMA-Factory's venv, made on first use: torch 2.13.0 (the CPU wheel) first, then the tool."""
+    """LLaMA-Factory's venv, made on first use."""
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import llamafactory"], capture_output=True).returncode == 0:
+    check = [str(python), "-c", "import llamafactory.train.tuner"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    print(f"installing {PEER} into {venv} (once) ...", flush=True)
+    print(f"installing {PEER} into {venv} (once; several GB) ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, "torch==2.13.0"], check=True)
-    subprocess.run([*pip, "--no-deps", PEER], check=True)
-    subprocess.run([*pip, *PEER_REQUIREMENTS], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", PEER, *PEER_PINS], check=True)
+    subprocess.run(check, check=True)
     return python
 
 

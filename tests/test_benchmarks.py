@@ -93,13 +93,25 @@ def test_overhead_arms_do_the_same_work(tmp_path):
 @pytest.mark.slow
 def test_packing_counts_every_real_token_once(tmp_path):
     out = bench("packing.py", "--rows", "40", "--rounds", "1", "--max-length", "256",
-                "--json", str(tmp_path / "r.json"))
+                "--arms", "unpacked", "packed", "packed-mask", "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())
     # One epoch in each arm: the forward saw exactly the tokens of the prepared data set, once.
-    assert measured["real"]["True"] == measured["real"]["False"] == [measured["report"]["tokens"]]
-    assert measured["padding"]["True"] == 0.0 < measured["padding"]["False"]
-    ratio = float(out.split("ratio packed/unpacked tokens/s: ")[1].split()[0])
-    assert ratio == pytest.approx(measured["tokens_per_s"]["True"] / measured["tokens_per_s"]["False"], abs=0.005)
+    tokens = [measured["report"]["tokens"]]
+    assert measured["real"]["packed"] == measured["real"]["packed-mask"] == measured["real"]["unpacked"] == tokens
+    assert measured["padding"]["packed"] == measured["padding"]["packed-mask"] == 0.0 < measured["padding"]["unpacked"]
+    ratio = float(out.split("ratio packed/unpacked tokens/s: ")[1].split(";")[0])
+    rates = measured["tokens_per_s"]
+    assert ratio == pytest.approx(rates["packed"] / rates["unpacked"], abs=0.005)
+    assert "| packed (bfd, padding-free, per-sample SDPA: the default) |" in out
+
+
+@pytest.mark.slow
+def test_compile_tiny_mode(tmp_path):
+    out = bench("compile.py", "--tiny", "--json", str(tmp_path / "r.json"))
+    row, = json.loads((tmp_path / "r.json").read_text())
+    assert row["blocks"] == 2 and row["max_loss_diff"] <= 1e-4 and row["compile_s"] > 0
+    assert row["ratio"] == pytest.approx(row["compiled_step_s"] / row["eager_step_s"])
+    assert f"| tiny | 0.6M | 2 | {row['eager_step_s']:.3f} | {row['compiled_step_s']:.3f} | {row['ratio']:.2f} |" in out
 
 
 @pytest.mark.slow

@@ -8,16 +8,19 @@ LoRA r=16 on every linear layer, fp32), ftcore's default loss (the chunked kerne
 ``compile = true`` does (``plugins/trainers/_compile.py``: torch.compile, inductor's CPU code).
 Reports the median step time after the first two steps, the first step's time (the compile time
 is what it takes beyond an eager step), and the largest difference between the arms' losses at any
-step (the issue's bound: 1e-4). ``--tiny`` is the test's mode: the tiny config, 4 steps.
+step (the issue's bound: 1e-4). Each arm gets an empty inductor cache, so the compile is cold.
+``--tiny`` is the test's mode: the tiny config, 4 steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -70,8 +73,10 @@ def main() -> None:
     for config in configs:
         runs = {}
         for compiled in (False, True):
-            out = subprocess.run([sys.executable, __file__, "--arm", config, str(int(compiled)), "--steps", str(steps)],
-                                 capture_output=True, text=True)
+            with tempfile.TemporaryDirectory() as cache:  # a cold compile: inductor caches on disk across runs
+                out = subprocess.run([sys.executable, __file__, "--arm", config, str(int(compiled)), "--steps",
+                                      str(steps)], capture_output=True, text=True,
+                                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache})
             if out.returncode:
                 sys.exit(f"{config} {'compiled' if compiled else 'eager'} arm failed:\n{out.stderr[-3000:]}")
             runs[compiled] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -340,3 +340,57 @@ def _flatten(value, prefix=""):
             yield prefix, value
         for k, v in value.items():
             yield from _flatten(v, f"{prefix}/{k}" if prefix else k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("adapter,data", [('{ use = "lora", r = 4 }', "pairs"), ('"full"', "pairs"),
+                                          ('{ use = "lora", r = 4 }', "dpo_demo")])
+def test_padding_free_dpo_trains_as_padded(tiny_project, adapter, data):
+    """padding_free = true: the batch's chosen and rejected sequences as one row; the same per-step
+    losses, reward margins and log-probs as the padded run (the issue's bound: 1e-5), with an adapter
+    (reference: adapters off) or full fine-tuning (reference: a copy), on synthetic pairs and on the
+    real DPO demo set."""
+    if data == "dpo_demo" and not (SHARED / "data" / "dpo_en_demo.json").exists():
+        pytest.skip("../shared fixtures absent")
+    rows = pair_rows(64, 0)
+    for i, row in enumerate(rows):  # lengths that differ, so that the padded batches pad
+        row["prompt"][0]["content"] += " please" * (i % 5)
+        row["chosen"][0]["content"] += " indeed" * (i % 3)
+    write_jsonl(tiny_project.dir / "pairs.jsonl", rows)
+    write_jsonl(tiny_project.dir / "pairs_eval.jsonl", pair_rows(16, 1))
+    metrics = {}
+    for free in ("false", "true"):
+        plan = tiny_project(PAIRS_DATA + f"""
+[data.dpo_demo]
+use = "json"
+path = "{SHARED / 'data' / 'dpo_en_demo.json'}"
+limit = 16
+
+[[stage]]
+name = "dpo"
+trainer = "dpo"
+data = "{data}"
+adapter = {adapter}
+max_steps = 4
+batch_size = 4
+max_length = {512 if data == "dpo_demo" else 64}
+learning_rate = 1e-3
+logging_steps = 1
+padding_free = {free}
+""", name=f"free-{free}.toml")
+        plan.write_text(plan.read_text().replace('name = "tiny"', f'name = "free-{free}"', 1)
+                        .replace("max_position_embeddings = 128", "max_position_embeddings = 512", 1))
+        result = run_cli("run", str(plan))
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = [json.loads(line) for line in
+                (tiny_project.dir / "runs" / f"free-{free}" / "metrics.jsonl").read_text().splitlines()]
+        metrics[free] = {r["step"]: r for r in rows if r.get("stage") == "dpo" and "loss" in r and "step" in r}
+        stage = json.loads((tiny_project.dir / "runs" / f"free-{free}" / "summary.json").read_text())["stages"]["dpo"]
+        if free == "true":  # every policy and reference forward of the 4 steps ran as one row, padding left out
+            assert stage["padding_free_forwards"] >= 8 and stage["padding_free_pads"] > 0
+        else:
+            assert "padding_free_forwards" not in stage
+    assert len(metrics["true"]) == 4 and metrics["true"].keys() == metrics["false"].keys()
+    for step, row in metrics["false"].items():
+        for key in ("loss", "rewards/margins", "logps/chosen"):
+            assert metrics["true"][step][key] == pytest.approx(row[key], abs=1e-5), (step, key)

@@ -157,6 +157,8 @@ def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, conf
                                    config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
                                            "gradient_checkpointing": o.gradient_checkpointing, **config},
                                    ref_model=reference_model(ctx), strip_patches=False)
+    for key, value in getattr(trainer, "padding_free_counts", {}).items():  # padding_free = true: what it did
+        metrics[f"padding_free_{key}"] = value
     if start is not None:
         if check_reference is not None:
             metrics.update(check_reference(trainer, ids["eval"], start))

@@ -9,6 +9,7 @@ import ftcore
 from ftcore.component import Component
 from ftcore.types import LearningRate
 
+from ftcore_plugins.trainers._padding_free import with_padding_free
 from ftcore_plugins.trainers._preference import check_data, train_against_reference
 from ftcore_plugins.trainers._training import TrainOptions
 
@@ -28,6 +29,7 @@ class DPOTrainer(Component):
         loss_type: str | list[str] = "sigmoid"  # one of LOSS_TYPES, or several combined with loss_weights
         loss_weights: list[float] | None = None
         label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)  # robust: flip probability < 0.5; exo_pair: > 0
+        padding_free: bool = False  # a batch's chosen and rejected sequences as one row, no padding
 
         @field_validator("loss_type")
         @classmethod
@@ -49,7 +51,13 @@ class DPOTrainer(Component):
             return self
 
     def check(self, plan):
-        return check_data(self, plan, ("pairs",))
+        problems = check_data(self, plan, ("pairs",))
+        if self.options.padding_free:
+            for stage in (s for s in plan.stages if s.trainer.options is self.options):
+                if stage.adapter.name in ("prompt_tuning", "prefix_tuning"):
+                    problems.append(f"padding_free: stage '{stage.name}' uses {stage.adapter.name}, whose virtual "
+                                    "tokens would come once per row, not once per sequence; set padding_free = false")
+        return problems
 
     def train(self, ctx):
         from trl import DPOConfig
@@ -57,7 +65,8 @@ class DPOTrainer(Component):
 
         o = self.options
         losses = [o.loss_type] if isinstance(o.loss_type, str) else list(o.loss_type)
-        return train_against_reference(ctx, o, self.name, TrlDPOTrainer, DPOConfig,
+        trainer_cls = with_padding_free(TrlDPOTrainer) if o.padding_free else TrlDPOTrainer
+        return train_against_reference(ctx, o, self.name, trainer_cls, DPOConfig,
                                        {"loss_type": losses, "loss_weights": o.loss_weights,
                                         "label_smoothing": o.label_smoothing},
                                        ("pairs",), check_reference=reference_gap)

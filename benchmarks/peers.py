@@ -193,12 +193,16 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true", help="pack on both sides")
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "ftcore-benchmarks" / "llamafactory")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the test's mode: ftcore's arm of the job alone, 3 steps (no peer installed)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child[0], json.loads(args.child[1]))
     if not (LLAMA3.exists() and ALPACA.exists()):
         sys.exit(f"needs the Llama 3 tokenizer and the Alpaca demo set under {SHARED}")
+    if args.tiny:
+        return tiny(args)
 
     sys.path.insert(0, str(HERE))
     from _bench import machine
@@ -226,6 +230,20 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report(runs, args, peer_version, machine())
+
+
+def tiny(args) -> None:
+    """ftcore's arm of the job for 3 steps, printed as the full run prints an arm."""
+    args.steps, args.warmup = 3, 1
+    work = Path(tempfile.mkdtemp(prefix="ftcore-peers-"))
+    try:
+        model = work / "llama3-68m"
+        build_model(model)
+        spec = {"plan": str(ftcore_plan(work, model, args, "ftcore")), "warmup": args.warmup}
+        result = run_arm("ftcore", Path(sys.executable), spec, work, "ftcore")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(result))
 
 
 def report(runs: dict[str, list[dict]], args, peer_version: str, where: str) -> None:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, SHARED
 
 
 def bench(script: str, *args: str, timeout: int = 600) -> str:
@@ -182,3 +182,25 @@ def test_loss_kernels_tiny_mode(tmp_path):
         assert float(cells[3]) == pytest.approx(row["step_s"], abs=1e-3)  # printed to 3 decimals
         assert float(cells[4]) == pytest.approx(row["step_s"] / full["step_s"], abs=0.01)
         assert float(cells[5]) == pytest.approx(row["step_s"] / trl["step_s"], abs=0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "tokenizers" / "llama3").exists(), reason="../shared fixtures absent")
+def test_peers_tiny_mode_runs_ftcore_side_of_the_job():
+    """The peer itself needs its own 6.6 GB environment (run by hand); the job's ftcore side runs here."""
+    result = json.loads(bench("peers.py", "--tiny").strip().splitlines()[-1])
+    assert result["steps"] == 3 and len(result["real_per_step"]) == 3 and min(result["real_per_step"]) > 0
+    assert result["tokens_per_s"] > 0 and 0 < result["startup_s"] < result["wall_s"]
+    assert set(result["losses"]) == {"1", "2", "3"} and result["peak_rss_mib"] > 500  # a 68.8M model in fp32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "data" / "dpo_en_demo.json").exists(), reason="../shared fixtures absent")
+def test_dpo_padding_free_tiny_mode(tmp_path):
+    out = bench("dpo_padding_free.py", "--rows", "24", "--rounds", "1", "--hidden", "64", "--max-length", "256",
+                "--warmup", "1", "--json", str(tmp_path / "r.json"))
+    measured = json.loads((tmp_path / "r.json").read_text())
+    assert measured["max_loss_diff"] <= 1e-5
+    assert measured["real"]["True"] == measured["real"]["False"] and measured["real"]["True"][0] > 0
+    ratio = float(out.split("ratio padding-free/padded tokens/s: ")[1].split()[0])
+    assert ratio == pytest.approx(measured["ratio"], abs=0.005)

@@ -31,7 +31,7 @@ class TrainOptions(Options):
     optimizer: str = "adamw_torch"  # a transformers optimizer name (adamw_8bit, adafactor, lion, galore_adamw, ...)
     max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
-    compile: bool = False  # torch.compile the decoder blocks while training (benchmarks/compile.py: pays?)
+    compile: bool = False  # torch.compile the decoder blocks while training; off: on CPU it rarely pays (RESULTS.md)
     # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     logging_steps: int = Field(10, ge=1)

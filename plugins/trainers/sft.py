@@ -65,7 +65,9 @@ class SFT(TrainChecks, TrainerMemory, Component):
         o = self.options
         # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
         config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
-        with per_sample_sdpa(ctx.model, packed=bool(config.get("packing"))) as attention:
+        # Packed batches of samples (not pretrain's wrapped blocks, which have no sample boundaries).
+        packed = bool(config.get("packing")) and config.get("packing_strategy") != "wrapped"
+        with per_sample_sdpa(ctx.model, packed=packed) as attention:
             if attention:
                 ctx.reporter.log(ctx.stage, {"packed_attention": attention}, step=0)
             return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)

@@ -17,6 +17,34 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
 
 
+# A tiny scratch Llama (2 layers) with a BPE tokenizer trained on the data, and the data: the head
+# of the plans of packing.py and dpo_padding_free.py (``{source}`` names the data; a stage follows).
+SCRATCH_PLAN = """
+[run]
+name = "{name}"
+seed = 7
+output_dir = "runs"
+
+[model]
+use = "scratch"
+hidden_size = {hidden}
+num_layers = 2
+num_heads = 4
+intermediate_size = {intermediate}
+max_position_embeddings = {max_length}
+tokenizer_data = ["{source}"]
+vocab_size = 4096
+
+[data.{source}]
+use = "json"
+path = "{data}"
+limit = {rows}
+
+[template]
+use = "chatml"
+"""
+
+
 class StepRecorder(TrainerCallback):
     """Installed into ``transformers.trainer.DEFAULT_CALLBACKS``, so every Trainer built afterwards,
     ftcore's or a raw TRL one, carries it as its first callback. Per step: the time of

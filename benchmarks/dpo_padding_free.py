@@ -24,34 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import SHARED, StepRecorder, machine, median, run_ftcore  # noqa: E402
+from _bench import SCRATCH_PLAN, SHARED, StepRecorder, machine, median, run_ftcore  # noqa: E402
 
 DPO = SHARED / "data" / "dpo_en_demo.json"
 
-PLAN = """
-[run]
-name = "{name}"
-seed = 7
-output_dir = "runs"
-
-[model]
-use = "scratch"
-hidden_size = {hidden}
-num_layers = 2
-num_heads = 4
-intermediate_size = {intermediate}
-max_position_embeddings = {max_length}
-tokenizer_data = ["pairs"]
-vocab_size = 4096
-
-[data.pairs]
-use = "json"
-path = "{data}"
-limit = {rows}
-
-[template]
-use = "chatml"
-
+PLAN = SCRATCH_PLAN + """
 [[stage]]
 name = "dpo"
 trainer = "dpo"
@@ -69,8 +46,8 @@ padding_free = {free}
 
 def arm(work: Path, name: str, free: bool, args, recorder: StepRecorder) -> dict:
     plan = work / f"{name}.toml"
-    plan.write_text(PLAN.format(name=name, data=DPO, rows=args.rows, free=str(free).lower(), hidden=args.hidden,
-                                intermediate=4 * args.hidden, max_length=args.max_length))
+    plan.write_text(PLAN.format(source="pairs", name=name, data=DPO, rows=args.rows, free=str(free).lower(),
+                                hidden=args.hidden, intermediate=4 * args.hidden, max_length=args.max_length))
     counted = []
 
     def count(module, positional, kwargs):  # the policy's forwards: TRL's padded batch, before ours flattens it

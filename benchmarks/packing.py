@@ -33,34 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import SHARED, StepRecorder, machine, median, run_ftcore  # noqa: E402
+from _bench import SCRATCH_PLAN, SHARED, StepRecorder, machine, median, run_ftcore  # noqa: E402
 
 ALPACA = SHARED / "data" / "alpaca_en_demo.json"
 
-PLAN = """
-[run]
-name = "{name}"
-seed = 7
-output_dir = "runs"
-
-[model]
-use = "scratch"
-hidden_size = {hidden}
-num_layers = 2
-num_heads = 4
-intermediate_size = {intermediate}
-max_position_embeddings = {max_length}
-tokenizer_data = ["rows"]
-vocab_size = 4096
-
-[data.rows]
-use = "json"
-path = "{data}"
-limit = {rows}
-
-[template]
-use = "chatml"
-
+PLAN = SCRATCH_PLAN + """
 [[stage]]
 name = "sft"
 trainer = "sft"
@@ -99,7 +76,7 @@ ARMS = {
 def arm(work: Path, data: Path, name: str, kind: str, args, recorder: StepRecorder) -> dict:
     packing = kind != "unpacked"
     plan = work / f"{name}.toml"
-    plan.write_text(PLAN.format(name=name, data=data, rows=args.rows, packing=str(packing).lower(),
+    plan.write_text(PLAN.format(source="rows", name=name, data=data, rows=args.rows, packing=str(packing).lower(),
                                 hidden=args.hidden, intermediate=4 * args.hidden, max_length=args.max_length,
                                 batch_size=args.batch_size))
     if kind == "packed-mask":  # what a packed stage ran before per-sample attention, and what TRL runs

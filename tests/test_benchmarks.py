@@ -204,3 +204,22 @@ def test_dpo_padding_free_tiny_mode(tmp_path):
     assert measured["real"]["True"] == measured["real"]["False"] and measured["real"]["True"][0] > 0
     ratio = float(out.split("ratio padding-free/padded tokens/s: ")[1].split()[0])
     assert ratio == pytest.approx(measured["ratio"], abs=0.005)
+
+
+def test_real_positions_count_padding_out_of_every_mask_shape():
+    """How the step recorder counts real tokens: 2D masks (LLaMA-Factory's neat packing numbers the
+    samples 1, 2, ...), 4D boolean and additive masks (a padded query row attends to nothing), none."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _bench import real_positions
+
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    assert real_positions(ids, torch.tensor([[1, 1, 2, 2, 0], [1, 0, 0, 0, 0]])) == 5
+    allowed = torch.zeros(2, 1, 5, 5, dtype=torch.bool)
+    allowed[0, 0, :3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    allowed[1, 0, 0, 0] = True
+    assert real_positions(ids, allowed) == 4
+    additive = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    assert real_positions(ids, additive) == 4
+    assert real_positions(ids, None) == 10

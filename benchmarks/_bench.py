@@ -18,7 +18,7 @@ SHARED = ROOT.parent / "shared" / "fixtures"
 
 
 # A tiny scratch Llama (2 layers) with a BPE tokenizer trained on the data, and the data: the head
-# of the plans of packing.py and dpo_padding_free.py (``{source}`` names the data; a stage follows).
+# of the plans of packing.py and padding_free.py (``{source}`` names the data; a stage follows).
 SCRATCH_PLAN = """
 [run]
 name = "{name}"

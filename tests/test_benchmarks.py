@@ -196,8 +196,9 @@ def test_peers_tiny_mode_runs_ftcore_side_of_the_job():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED / "data" / "dpo_en_demo.json").exists(), reason="../shared fixtures absent")
-def test_dpo_padding_free_tiny_mode(tmp_path):
-    out = bench("dpo_padding_free.py", "--rows", "24", "--rounds", "1", "--hidden", "64", "--max-length", "256",
+@pytest.mark.parametrize("trainer", ["dpo", "kto", "orpo"])
+def test_padding_free_tiny_mode(tmp_path, trainer):
+    out = bench("padding_free.py", "--trainer", trainer, "--rows", "24", "--rounds", "1", "--hidden", "64", "--max-length", "256",
                 "--warmup", "1", "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())
     assert measured["max_loss_diff"] <= 1e-5

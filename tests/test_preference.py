@@ -242,6 +242,27 @@ data = "text"
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.parametrize("trainer", ["dpo", "kto", "orpo"])
+def test_padding_free_refuses_prompt_learning_adapters(tiny_project, trainer):
+    """Virtual tokens come once per row: with padding_free they would come once per batch."""
+    write_jsonl(tiny_project.dir / "pairs.jsonl", pair_rows(4, 0))
+    write_jsonl(tiny_project.dir / "pairs_eval.jsonl", pair_rows(4, 1))
+    stage = f"""
+[[stage]]
+name = "pref"
+trainer = "{trainer}"
+data = "pairs"
+padding_free = true
+adapter = {{ use = "prompt_tuning", num_virtual_tokens = 4 }}
+"""
+    plan = tiny_project(PAIRS_DATA + stage)
+    result = run_cli("validate", str(plan))
+    assert result.returncode == 2
+    assert "padding_free: stage 'pref' uses prompt_tuning" in result.stderr and "set padding_free = false" in result.stderr
+    plan.write_text(plan.read_text().replace('adapter = { use = "prompt_tuning", num_virtual_tokens = 4 }', 'adapter = "lora"'))
+    assert run_cli("validate", str(plan)).returncode == 0
+
+
 @pytest.mark.slow
 def test_dpo_then_reward_stage_through_the_runner(tiny_project):
     write_jsonl(tiny_project.dir / "pairs.jsonl", pair_rows(64, 0))
@@ -343,13 +364,18 @@ def _flatten(value, prefix=""):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter,data", [('{ use = "lora", r = 4 }', "pairs"), ('"full"', "pairs"),
-                                          ('{ use = "lora", r = 4 }', "dpo_demo")])
-def test_padding_free_dpo_trains_as_padded(tiny_project, adapter, data):
-    """padding_free = true: the batch's chosen and rejected sequences as one row; the same per-step
-    losses, reward margins and log-probs as the padded run (the issue's bound: 1e-5), with an adapter
-    (reference: adapters off) or full fine-tuning (reference: a copy), on synthetic pairs and on the
-    real DPO demo set."""
+@pytest.mark.parametrize("trainer,adapter,data", [("dpo", '{ use = "lora", r = 4 }', "pairs"),
+                                                  ("dpo", '"full"', "pairs"),
+                                                  ("dpo", '{ use = "lora", r = 4 }', "dpo_demo"),
+                                                  ("kto", '{ use = "lora", r = 4 }', "pairs"),
+                                                  ("kto", '"full"', "dpo_demo"),
+                                                  ("orpo", '"full"', "pairs"),
+                                                  ("orpo", '{ use = "lora", r = 4 }', "dpo_demo")])
+def test_padding_free_preference_trains_as_padded(tiny_project, trainer, adapter, data):
+    """padding_free = true: the batch's sequences as one row (DPO and ORPO: chosen and rejected; KTO:
+    completions and their KL counterparts); the same per-step losses, rewards and log-probs as the
+    padded run (the issue's bound: 1e-5), with an adapter (DPO/KTO reference: adapters off) or full
+    fine-tuning (reference: a copy), on synthetic pairs and on the real DPO demo set."""
     if data == "dpo_demo" and not (SHARED / "data" / "dpo_en_demo.json").exists():
         pytest.skip("../shared fixtures absent")
     rows = pair_rows(64, 0)
@@ -367,8 +393,8 @@ path = "{SHARED / 'data' / 'dpo_en_demo.json'}"
 limit = 16
 
 [[stage]]
-name = "dpo"
-trainer = "dpo"
+name = "pref"
+trainer = "{trainer}"
 data = "{data}"
 adapter = {adapter}
 max_steps = 4
@@ -384,13 +410,24 @@ padding_free = {free}
         assert result.returncode == 0, result.stderr[-3000:]
         rows = [json.loads(line) for line in
                 (tiny_project.dir / "runs" / f"free-{free}" / "metrics.jsonl").read_text().splitlines()]
-        metrics[free] = {r["step"]: r for r in rows if r.get("stage") == "dpo" and "loss" in r and "step" in r}
-        stage = json.loads((tiny_project.dir / "runs" / f"free-{free}" / "summary.json").read_text())["stages"]["dpo"]
-        if free == "true":  # every policy and reference forward of the 4 steps ran as one row, padding left out
-            assert stage["padding_free_forwards"] >= 8 and stage["padding_free_pads"] > 0
+        metrics[free] = {r["step"]: r for r in rows if r.get("stage") == "pref" and "loss" in r and "step" in r}
+        stage = json.loads((tiny_project.dir / "runs" / f"free-{free}" / "summary.json").read_text())["stages"]["pref"]
+        if free == "true":  # every forward of the 4 steps ran as one row, padding left out
+            # dpo, kto: policy and reference (kto: and their KL rows); orpo: the policy alone
+            assert stage["padding_free_forwards"] >= (4 if trainer == "orpo" else 8) and stage["padding_free_pads"] > 0
         else:
             assert "padding_free_forwards" not in stage
     assert len(metrics["true"]) == 4 and metrics["true"].keys() == metrics["false"].keys()
+    keys = {"dpo": ("loss", "rewards/margins", "logps/chosen"), "kto": ("loss", "kl", "logps/chosen", "rewards/chosen"),
+            "orpo": ("loss", "rewards/margins", "logps/chosen", "nll_loss", "log_odds_ratio")}[trainer]
     for step, row in metrics["false"].items():
-        for key in ("loss", "rewards/margins", "logps/chosen"):
-            assert metrics["true"][step][key] == pytest.approx(row[key], abs=1e-5), (step, key)
+        for key in keys:
+            if trainer == "kto" and key not in row:
+                continue  # kto logs logps/rewards of a label only for steps whose batch has it
+            # the loss within 1e-5; sums of a sequence's log-probs (logps) of up to 512 tokens in fp32 to 1e-5
+            # relative, and kto's kl, a difference of two such sums, to 1e-4
+            bound = pytest.approx(row[key], abs=1e-5) if key == "loss" else \
+                pytest.approx(row[key], rel=1e-4 if key == "kl" else 1e-5, abs=1e-5)
+            assert metrics["true"][step][key] == bound, (step, key)
+    if trainer == "orpo":  # a mean over the padding: not reported when there is none
+        assert "logits/chosen" in metrics["false"][1] and "logits/chosen" not in metrics["true"][1]

@@ -157,8 +157,7 @@ def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, conf
                                    config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
                                            "gradient_checkpointing": o.gradient_checkpointing, **config},
                                    ref_model=reference_model(ctx), strip_patches=False)
-    for key, value in getattr(trainer, "padding_free_counts", {}).items():  # padding_free = true: what it did
-        metrics[f"padding_free_{key}"] = value
+    metrics.update(getattr(trainer, "padding_free_counts", {}))  # padding_free = true: what it did
     if start is not None:
         if check_reference is not None:
             metrics.update(check_reference(trainer, ids["eval"], start))

@@ -9,7 +9,7 @@ import ftcore
 from ftcore.component import Component
 from ftcore.types import LearningRate
 
-from ftcore_plugins.trainers._padding_free import with_padding_free
+from ftcore_plugins.trainers._padding_free import padding_free_problems, with_padding_free
 from ftcore_plugins.trainers._preference import check_data, train_against_reference
 from ftcore_plugins.trainers._training import TrainOptions
 
@@ -51,13 +51,7 @@ class DPOTrainer(Component):
             return self
 
     def check(self, plan):
-        problems = check_data(self, plan, ("pairs",))
-        if self.options.padding_free:
-            for stage in (s for s in plan.stages if s.trainer.options is self.options):
-                if stage.adapter.name in ("prompt_tuning", "prefix_tuning"):
-                    problems.append(f"padding_free: stage '{stage.name}' uses {stage.adapter.name}, whose virtual "
-                                    "tokens would come once per row, not once per sequence; set padding_free = false")
-        return problems
+        return check_data(self, plan, ("pairs",)) + padding_free_problems(self, plan)
 
     def train(self, ctx):
         from trl import DPOConfig

@@ -14,6 +14,7 @@ from ftcore.errors import FtcoreError
 from ftcore.types import LearningRate
 
 from ftcore_plugins.common.preference import answer_logps, pair_metrics, render
+from ftcore_plugins.trainers._padding_free import padding_free_problems, with_padding_free
 from ftcore_plugins.trainers._preference import check_data, length_report, periodic_evaluation, require_data
 from ftcore_plugins.trainers._training import TrainOptions
 
@@ -26,9 +27,10 @@ class ORPOTrainer(Component):
     class Options(TrainOptions):
         learning_rate: LearningRate = 5e-6  # the ORPO paper: 5e-6..8e-6 full fine-tuning
         beta: float = Field(0.1, gt=0)  # lambda in the paper: weight of the odds-ratio term against the SFT loss
+        padding_free: bool = False  # a batch's chosen and rejected sequences as one row, no padding
 
     def check(self, plan):
-        return check_data(self, plan, ("pairs",))
+        return check_data(self, plan, ("pairs",)) + padding_free_problems(self, plan)
 
     def train(self, ctx):
         import trl
@@ -48,6 +50,10 @@ class ORPOTrainer(Component):
         train = render(ctx, ctx.train_data, strip_bos=False)
         evaluation = render(ctx, ctx.eval_data, strip_bos=False) if ctx.eval_data is not None else None
         ids = length_report(ctx, {"train": train, "eval": evaluation}, o.max_length, style="orpo")
+        # TRL's ORPO keeps a row whose prompt alone fills max_length, with an empty answer whose mean
+        # log-probability is 0/0: a NaN loss. Drop those rows, as TRL's DPO and KTO do and the report says.
+        train = fitting(train, ids["train"], o.max_length)
+        evaluation = fitting(evaluation, ids.get("eval"), o.max_length)
         pad = ctx.tokenizer.pad_token_id if ctx.tokenizer.pad_token_id is not None else ctx.tokenizer.eos_token_id
 
         def measure(suffix: str) -> dict:
@@ -58,17 +64,28 @@ class ORPOTrainer(Component):
             return {f"{k}{suffix}": v for k, v in found.items()} | {"eval_pairs": int(reward.shape[0])}
 
         before = measure("_before") if "eval" in ids else {}
-        _, metrics = run_trainer(ctx, o, TrlORPOTrainer, ORPOConfig, train=train,
+        # Padding-free, TRL's logits/* (a mean over every position, padding included) would not be true.
+        trainer_cls = with_padding_free(TrlORPOTrainer, hide=("logits/chosen", "logits/rejected")) \
+            if o.padding_free else TrlORPOTrainer
+        trainer, metrics = run_trainer(ctx, o, trainer_cls, ORPOConfig, train=train,
                                  evaluation=evaluation if periodic_evaluation(o) else None,
                                  config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
                                          "gradient_checkpointing": o.gradient_checkpointing,
                                          "remove_unused_columns": False})  # its collator needs every column
         metrics.pop("eval_perplexity", None)  # exp of the ORPO loss is no perplexity
+        metrics.update(getattr(trainer, "padding_free_counts", {}))
         if before:
             metrics.update(before, **measure(""))
             ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},
                              step=metrics.get("global_step"))
         return metrics
+
+
+def fitting(rows, ids, max_length: int):
+    """The rendered rows whose prompt leaves room for an answer within ``max_length``."""
+    if rows is None:
+        return None
+    return rows.select([i for i, (prompt, _) in enumerate(ids) if len(prompt) < max_length])
 
 
 @ftcore.hookimpl

@@ -1,12 +1,14 @@
-"""``dpo`` with ``padding_free = true`` against padded batches, side by side, on the real DPO demo set.
+"""A preference trainer with ``padding_free = true`` against padded batches, side by side, on the real DPO demo set.
 
-    python benchmarks/dpo_padding_free.py [--rows 200] [--rounds 2] [--hidden 256] [--max-length 512]
+    python benchmarks/padding_free.py [--trainer dpo|kto|orpo] [--rows 200] [--rounds 2] [--hidden 256]
+                                      [--max-length 512]
 
 Both arms are ``ftcore run`` (in this process) of one plan but for ``padding_free``: the DPO demo set
 (../shared/fixtures/data/dpo_en_demo.json, the first ``--rows`` pairs), a tiny Llama (2 layers,
 hidden ``--hidden``) with a BPE tokenizer of 4,096 tokens trained on the rows, LoRA r=16, batch 4,
-``max_length`` 512, one epoch, arms alternating. A callback inside the Trainer times the steps;
-tokens/s counts the real (non-padding) positions of the policy's forwards (the collator's attention
+``max_length`` 512, one epoch of ``--trainer`` (``kto`` takes each pair as a desirable and an
+undesirable row), arms alternating. A callback inside the Trainer times the steps;
+tokens/s counts the real (non-padding) positions of the policy's forwards with gradients (the collator's attention
 mask, which both arms share) over the steps after the first two. Also printed: the padding the padded
 arm computes and the largest difference between the arms' losses at any step.
 """
@@ -30,8 +32,8 @@ DPO = SHARED / "data" / "dpo_en_demo.json"
 
 PLAN = SCRATCH_PLAN + """
 [[stage]]
-name = "dpo"
-trainer = "dpo"
+name = "pref"
+trainer = "{trainer}"
 data = "pairs"
 adapter = {{ use = "lora", r = 16 }}
 epochs = 1
@@ -46,14 +48,14 @@ padding_free = {free}
 
 def arm(work: Path, name: str, free: bool, args, recorder: StepRecorder) -> dict:
     plan = work / f"{name}.toml"
-    plan.write_text(PLAN.format(source="pairs", name=name, data=DPO, rows=args.rows, free=str(free).lower(),
+    plan.write_text(PLAN.format(source="pairs", name=name, data=DPO, rows=args.rows, free=str(free).lower(), trainer=args.trainer,
                                 hidden=args.hidden, intermediate=4 * args.hidden, max_length=args.max_length))
     counted = []
 
     def count(module, positional, kwargs):  # the policy's forwards: TRL's padded batch, before ours flattens it
         import torch
 
-        mask = kwargs.get("attention_mask")  # the reference's forwards run without gradients: not counted
+        mask = kwargs.get("attention_mask")  # the reference's (and KTO's KL) forwards run without gradients
         if mask is not None and module.training and torch.is_grad_enabled() and recorder.real:
             counted.append((len(recorder.begins), int(mask.sum()), mask.numel()))
 
@@ -80,6 +82,7 @@ def arm(work: Path, name: str, free: bool, args, recorder: StepRecorder) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainer", choices=("dpo", "kto", "orpo"), default="dpo")
     parser.add_argument("--rows", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
@@ -89,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if not DPO.exists():
         sys.exit(f"needs the DPO demo set at {DPO}")
-    work = Path(tempfile.mkdtemp(prefix="ftcore-dpo-free-"))
+    work = Path(tempfile.mkdtemp(prefix="ftcore-padding-free-"))
     atexit.register(shutil.rmtree, work, ignore_errors=True)
     os.environ.setdefault("FTCORE_CACHE_DIR", str(work / "cache"))
     os.chdir(work)
@@ -104,7 +107,7 @@ def main() -> None:
     ratio = rates[True] / rates[False]
     per_round = [f["tokens_per_s"] / p["tokens_per_s"] for f, p in zip(runs[True], runs[False])]
     print(f"machine: {machine()}")
-    print(f"data: {args.rows} pairs of {DPO.name}; hidden {args.hidden}, 2 layers, LoRA r=16, batch 4, "
+    print(f"trainer {args.trainer}; data: {args.rows} pairs of {DPO.name}; hidden {args.hidden}, 2 layers, LoRA r=16, batch 4, "
           f"max_length {args.max_length}; {padded['steps']} steps; real tokens of the policy's forwards "
           f"{padded['real']:,} (padded arm: {1 - padded['real'] / padded['positions']:.1%} of its positions padding)")
     print()

@@ -18,7 +18,8 @@ full-length rows):
   defaults plus the speed options it has: ``packing = true`` (best-fit, padding-free: one row of
   concatenated samples, position ids restart per sample) and ``gradient_checkpointing = true``.
 * ftcore + OPTION (``--options``): the ftcore arm with one speed or memory option on top, each
-  its own arm (``OPTIONS`` below: attention kernels, Liger, NEFTune, loss kernels, optimizers).
+  its own arm (``OPTIONS`` below: attention kernels, Liger, NEFTune, compile, loss kernels,
+  optimizers, and packing off).
   Those that need CUDA are listed as skipped on a machine without it, so the first run on a GPU
   measures them all with one command: ``--options all``.
 
@@ -106,7 +107,7 @@ max_length = {max_length}
 learning_rate = {learning_rate}
 logging_steps = 1
 save_steps = 1000000
-packing = true
+packing = {packing}
 gradient_checkpointing = true
 {stage_extra}
 """
@@ -119,6 +120,8 @@ OPTIONS = {
     "flex-attention": ('attn_implementation = "flex_attention"', "", True),
     "liger": ("", "liger = true", True),
     "neftune": ("", "neftune_noise_alpha = 5.0", False),
+    "compile": ("", "compile = true", False),
+    "unpacked": ("", "", False),  # packing = false: what packing (per-sample attention, or varlen flash) buys
     "loss-full": ("", 'loss_kernel = "full"', False),
     "loss-trl": ("", 'loss_kernel = "trl"', False),
     "adamw-fused": ("", 'optimizer = "adamw_torch_fused"', False),
@@ -297,6 +300,7 @@ def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
             plan = work / f"{arm}.toml"
             plan.write_text(PLAN.format(name=arm, model=folder, dtype="bfloat16" if gpu else "float32",
                                         model_extra=model_extra, stage_extra=stage_extra,
+                                        packing="false" if arm == "unpacked" else "true",
                                         quantizer='[quantizer]\nuse = "bnb-nf4"' if method == "qlora" else "",
                                         adapter=adapter, max_steps=args.steps, batch_size=batch_size,
                                         max_length=max_length, learning_rate=LEARNING_RATE))

@@ -62,16 +62,18 @@ def test_gpu_throughput_option_arms_tiny_mode(tmp_path):
     import torch
 
     out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", "3", "--warmup", "1",
-                "--options", "neftune,adamw-8bit,loss-full,liger,flash-attention-2", "--json", str(tmp_path / "r.json"))
+                "--options", "neftune,adamw-8bit,loss-full,unpacked,liger,flash-attention-2", "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
     labels = [r[1] for r in table_rows(out)]
     assert labels == ["HF+TRL defaults", "ftcore", "ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full",
-                      "ftcore+liger", "ftcore+flash-attention-2"]
-    for arm in ("ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full"):
+                      "ftcore+unpacked", "ftcore+liger", "ftcore+flash-attention-2"]
+    for arm in ("ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full", "ftcore+unpacked"):
         assert measured[arm]["timed_tokens"] > 0 and len(measured[arm]["losses"]) == 3
     # The same batches and weights: the loss kernels agree; NEFTune's noise changes the first step's loss.
     assert measured["ftcore+loss-full"]["losses"] == pytest.approx(measured["ftcore"]["losses"], abs=1e-5)
     assert measured["ftcore+neftune"]["losses"][0] != pytest.approx(measured["ftcore"]["losses"][0], abs=1e-6)
+    # Packing off: the same rows one per batch row, so fewer real tokens per step than packed bins.
+    assert measured["ftcore+unpacked"]["timed_tokens"] < measured["ftcore"]["timed_tokens"]
     if not torch.cuda.is_available():
         assert measured["ftcore+liger"] == measured["ftcore+flash-attention-2"] == {"skipped": "needs CUDA"}
         assert "skipped: needs CUDA (unmeasured)" in out

@@ -28,7 +28,7 @@ output_dir = "runs"
 [model]
 use = "scratch"
 hidden_size = {hidden}
-num_layers = 2
+num_layers = {layers}
 num_heads = 4
 intermediate_size = {intermediate}
 max_position_embeddings = {max_length}
@@ -50,7 +50,8 @@ class StepRecorder(TrainerCallback):
     ftcore's or a raw TRL one, carries it as its first callback. Per step: the time of
     ``on_step_begin`` (a step's time is the gap to the next one: forward, backward, optimizer and
     every callback and log of that step, and loading the next batch) and the tokens the model's
-    forward saw (``real``: not padding by the attention mask; ``total``: every position)."""
+    forward saw (``real``: not padding by the attention mask; ``total``: every position; ``trained``:
+    the positions with a label, those the loss scores)."""
 
     def __init__(self):
         self.reset()
@@ -59,6 +60,7 @@ class StepRecorder(TrainerCallback):
         self.begins: list[float] = []
         self.real: list[int] = []
         self.total: list[int] = []
+        self.trained: list[int] = []
         self.losses: dict[int, float] = {}
         self.end: float | None = None
         self._hook = None
@@ -74,11 +76,15 @@ class StepRecorder(TrainerCallback):
             return
         self.total[-1] += ids.numel()
         self.real[-1] += real_positions(ids, mask)
+        labels = kwargs.get("labels")
+        if labels is not None:
+            self.trained[-1] += int((labels != -100).sum())
 
     def on_step_begin(self, args, state, control, **kw):
         self.begins.append(time.perf_counter())
         self.real.append(0)
         self.total.append(0)
+        self.trained.append(0)
 
     def on_log(self, args, state, control, logs=None, **kw):
         if logs and "loss" in logs:

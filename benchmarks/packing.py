@@ -1,9 +1,10 @@
 """Training throughput of ``sft`` with ``packing = true`` against ``packing = false``, side by side.
 
-    python benchmarks/packing.py [--rows 400] [--rounds 2] [--hidden 64] [--arms unpacked packed packed-mask]
+    python benchmarks/packing.py [--rows 400] [--rounds 2] [--hidden 64] [--layers 2]
+                                 [--arms unpacked packed packed-mask]
 
 Every arm is ``ftcore run`` (in this process) of the same plan but for ``packing``: a tiny Llama
-(hidden ``--hidden``, 2 layers, full fine-tuning, fp32) with a BPE tokenizer trained on the rows,
+(hidden ``--hidden``, ``--layers`` layers, full fine-tuning, fp32) with a BPE tokenizer trained on the rows,
 batch 8, ``max_length`` 512, one epoch over the same rows, so all train on the same real tokens. The
 rows are the real Alpaca demo set (../shared/fixtures, 999 rows of instruction / input / output) when
 it is there, otherwise generated rows whose lengths follow a log-normal shape like Alpaca's (said in
@@ -16,6 +17,13 @@ real ones (not padding by the attention mask; packed batches are padding-free, o
 concatenated samples, so every position is real). Prints tokens/s of real tokens over the timed
 steps (all but the first ``--warmup``), the padding fraction measured from the batches
 (pad positions / all positions), and each arm's ratio to unpacked.
+
+Two bounds are printed. The padding bound, 1 / (1 - unpacked padding), assumes every position costs
+the same. ftcore's loss projects only the trained positions through the output layer, in both arms,
+so that part of the work does not shrink with packing: the FLOP bound counts 6 x the layers'
+matrix parameters per computed position and 6 x vocabulary x hidden per trained position (the
+positions with a label, counted in the batches), and leaves attention out (which packing cuts by
+more than the padding).
 """
 from __future__ import annotations
 
@@ -78,7 +86,7 @@ def arm(work: Path, data: Path, name: str, kind: str, args, recorder: StepRecord
     plan = work / f"{name}.toml"
     plan.write_text(PLAN.format(source="rows", name=name, data=data, rows=args.rows, packing=str(packing).lower(),
                                 hidden=args.hidden, intermediate=4 * args.hidden, max_length=args.max_length,
-                                batch_size=args.batch_size))
+                                batch_size=args.batch_size, layers=args.layers))
     if kind == "packed-mask":  # what a packed stage ran before per-sample attention, and what TRL runs
         import ftcore_plugins.trainers.sft as sft
 
@@ -93,7 +101,16 @@ def arm(work: Path, data: Path, name: str, kind: str, args, recorder: StepRecord
     timed = recorder.real[args.warmup:args.warmup + len(seconds)]
     report = json.loads((work / "runs" / name / "data_report.json").read_text())["sft/train"]
     return {"tokens_per_s": sum(timed) / sum(seconds), "real": sum(recorder.real), "total": sum(recorder.total),
-            "steps": len(recorder.begins), "report": report}
+            "trained": sum(recorder.trained), "steps": len(recorder.begins), "report": report}
+
+
+def flop_bound(unpacked: dict, packed: dict, hidden: int, layers: int, vocab: int = 4096) -> float:
+    """The packed/unpacked speed-up if time followed the matrix products' FLOPs: the layers' cost per
+    computed position (attention and MLP projections: 4 h^2 + 3 h * 4h per layer), the output
+    layer's per trained position (ftcore's loss skips the rest)."""
+    per_position, per_trained = 6 * layers * 16 * hidden ** 2, 6 * vocab * hidden
+    cost = {k: r["total"] * per_position + r["trained"] * per_trained for k, r in (("u", unpacked), ("p", packed))}
+    return cost["u"] / cost["p"]
 
 
 def main() -> None:
@@ -102,6 +119,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each arm, alternating")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["unpacked", "packed"])
@@ -131,9 +149,13 @@ def main() -> None:
     same_tokens = len({r["real"] for k in runs for r in runs[k]}) == 1
     print(f"machine: {machine()}")
     print(f"data: {what}; {report['tokens']:,} tokens, length p50/p90/max {report.get('length_p50')}/"
-          f"{report.get('length_p90')}/{report.get('length_max')}; model hidden {args.hidden}, 2 layers; "
+          f"{report.get('length_p90')}/{report.get('length_max')}; model hidden {args.hidden}, {args.layers} layers; "
           f"batch {args.batch_size}, max_length {args.max_length}; same real tokens in every run: {same_tokens}; "
-          f"the bound (1 / (1 - unpacked padding)): {1 / (1 - padding['unpacked']):.2f}")
+          f"the padding bound (1 / (1 - unpacked padding)): {1 / (1 - padding['unpacked']):.2f}")
+    if "packed" in runs:
+        bound = flop_bound(runs["unpacked"][0], runs["packed"][0], args.hidden, args.layers)
+        print(f"trained positions: {runs['unpacked'][0]['trained']:,} unpacked, {runs['packed'][0]['trained']:,} packed; "
+              f"the FLOP bound with ftcore's loss: {bound:.2f}")
     print()
     print("| arm | real tokens/s (median of runs) | runs | steps | padding fraction (measured) | "
           "data report: predicted padding / unfilled bins | ratio to unpacked (per round) |")
@@ -150,9 +172,11 @@ def main() -> None:
           "concatenate the samples and compute no pad positions)")
     if "packed" in runs:
         print()
-        print(f"ratio packed/unpacked tokens/s: {ratios['packed']:.2f}; padding packed {padding['packed']:.1%}")
+        print(f"ratio packed/unpacked tokens/s: {ratios['packed']:.2f}; padding packed {padding['packed']:.1%}; "
+              f"{ratios['packed'] / bound:.0%} of the FLOP bound")
     if args.json:
         args.json.write_text(json.dumps({"ratio": ratios, "tokens_per_s": rates, "padding": padding,
+                                         "trained": {k: [r["trained"] for r in runs[k]] for k in runs},
                                          "real": {k: [r["real"] for r in runs[k]] for k in runs},
                                          "report": report}))
 

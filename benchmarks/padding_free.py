@@ -48,7 +48,7 @@ padding_free = {free}
 
 def arm(work: Path, name: str, free: bool, args, recorder: StepRecorder) -> dict:
     plan = work / f"{name}.toml"
-    plan.write_text(PLAN.format(source="pairs", name=name, data=DPO, rows=args.rows, free=str(free).lower(), trainer=args.trainer,
+    plan.write_text(PLAN.format(source="pairs", name=name, data=DPO, rows=args.rows, free=str(free).lower(), trainer=args.trainer, layers=2,
                                 hidden=args.hidden, intermediate=4 * args.hidden, max_length=args.max_length))
     counted = []
 

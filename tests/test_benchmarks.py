@@ -105,6 +105,11 @@ def test_packing_counts_every_real_token_once(tmp_path):
     rates = measured["tokens_per_s"]
     assert ratio == pytest.approx(rates["packed"] / rates["unpacked"], abs=0.005)
     assert "| packed (bfd, padding-free, per-sample SDPA: the default) |" in out
+    # The same trained positions (labelled, scored by the loss) in every arm: what the FLOP bound counts.
+    trained = measured["trained"]
+    assert trained["packed"] == trained["packed-mask"] == trained["unpacked"] and 0 < trained["packed"][0] < tokens[0]
+    bound = float(out.split("the FLOP bound with ftcore's loss: ")[1].split()[0])
+    assert 1 < bound < 1 / (1 - measured["padding"]["unpacked"])
 
 
 @pytest.mark.slow

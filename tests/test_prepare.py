@@ -69,6 +69,51 @@ def test_cache_hits_for_the_same_inputs_and_misses_when_any_part_of_the_key_chan
     assert len(set(keys.values())) == len(keys)
 
 
+def test_shards_give_the_data_one_pass_gives_and_resume_after_a_kill(monkeypatch):
+    """Preparation streams into shards of SHARD_ROWS rows: the same samples, labels and stats as
+    one in-memory pass; a preparation that dies in its third shard resumes there, encoding only
+    the shards it had not finished, and a row's error names its place in the whole data."""
+    import ftcore_plugins.common.prepare as prepare_module
+    from ftcore.cache import cache_dir
+
+    tok, template = qwen(), chatml()
+    rows = chat_rows(35) + [{"messages": LONG}]
+    whole = prep(rows, tok, template, max_length=64, use_cache=False)
+    monkeypatch.setattr(prepare_module, "SHARD_ROWS", 10)
+    encoded, real_encode = [], prepare_module.encode
+
+    def dies_in_the_third_shard(part, **kw):
+        encoded.append(kw["first_row"])
+        if kw["first_row"] == 20 and len(encoded) == 3:
+            raise KeyboardInterrupt  # as a kill would stop it: no cleanup of the finished shards
+        return real_encode(part, **kw)
+
+    monkeypatch.setattr(prepare_module, "encode", dies_in_the_third_shard)
+    with pytest.raises(KeyboardInterrupt):
+        prep(rows, tok, template, max_length=64)
+    partial = list((cache_dir() / "tokenized").glob("*/.*.partial"))
+    assert len(partial) == 1 and sorted(p.name for p in partial[0].glob("*.arrow")) == ["00000.arrow", "00001.arrow"]
+    resumed = prep(rows, tok, template, max_length=64)
+    assert encoded == [0, 10, 20, 20, 30]  # the finished shards 0 and 10 were not encoded again
+    assert not resumed.cache_hit and not list((cache_dir() / "tokenized").glob("*/.*.partial"))
+    assert resumed.dataset["input_ids"] == whole.dataset["input_ids"]
+    assert resumed.dataset["labels"] == whole.dataset["labels"]
+    assert resumed.stats == whole.stats and resumed.stats["rows"] == 36 and resumed.stats["truncated"] == 1
+    again = prep(rows, tok, template, max_length=64)
+    assert again.cache_hit and again.dataset["input_ids"] == whole.dataset["input_ids"] and again.stats == whole.stats
+    assert len(again.dataset.cache_files) == 4  # memory-mapped shards, not a copy in memory
+    again.dataset.map(lambda row: {"n": len(row["input_ids"])})  # as TRL maps it: datasets caches beside the shards
+    assert prep(rows, tok, template, max_length=64).dataset["input_ids"] == whole.dataset["input_ids"]
+
+    from ftcore.errors import FtcoreError
+
+    marked = [{"role": "user", "content": "a private-use character \U000F0001"}, {"role": "assistant", "content": "no"}]
+    broken = rows[:27] + [{"messages": marked}] + rows[27:]  # row 28, in the third shard
+
+    with pytest.raises(FtcoreError, match=r"row 28: "):
+        prep(broken, tok, template, max_length=64, where="data.chat (chat.jsonl)")
+
+
 def test_a_template_whose_code_renders_differently_misses(monkeypatch):
     from ftcore_plugins.templates.chatml import ChatMLTemplate
 

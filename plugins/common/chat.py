@@ -96,15 +96,6 @@ class EncodeStats:
     label_tokens: int = 0
     lengths: list[int] = field(default_factory=list)  # kept samples' token counts
 
-    def summary(self) -> dict[str, Any]:
-        out = {k: v for k, v in vars(self).items() if k != "lengths"}
-        if self.lengths:
-            ordered = sorted(self.lengths)
-            for p in (50, 90, 99):
-                out[f"length_p{p}"] = ordered[min(len(ordered) - 1, (p * len(ordered)) // 100)]
-            out["length_max"] = ordered[-1]
-        return out
-
 
 def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bool = False,
                 add_eos_to_text: bool = True,
@@ -185,12 +176,16 @@ class _Offsets:
 
 
 def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, train_on_inputs: bool = False,
-           truncation: Truncation = "truncate_response", add_eos_to_text: bool = True, reporter: Any = None,
-           description: str = "tokenize", batch: int = 1000, on_error: str = "error",
-           where: str = "data") -> tuple[dict[str, list], EncodeStats]:
+           truncation: Truncation = "truncate_response", add_eos_to_text: bool = True, progress: Any = None,
+           batch: int = 1000, on_error: str = "error", where: str = "data", first_row: int = 0,
+           sink: Any = None) -> tuple[dict[str, list], EncodeStats]:
     """Tokenize rows into ``input_ids`` and ``labels`` lists, applying ``max_length`` by
     ``truncation``: cut the end of the response, cut the oldest prompt tokens from the
     left, or drop the sample. Samples left with nothing to learn are dropped and counted.
+
+    With ``sink``, each batch's columns go to ``sink(columns)`` as they are made (returned empty):
+    memory holds one batch, whatever the number of rows. ``progress.advance(n)`` follows the rows;
+    ``first_row`` is the index of ``rows[0]`` in the whole data, for the messages.
 
     A row the template cannot render, or whose turns cannot be located, is an error naming
     ``where``, the row and the template, or with ``on_error = "skip"`` a counted skip."""
@@ -212,7 +207,7 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
             message = str(exc)
             named = f"template '{template_name}'"
             message = message if message.startswith(named) else f"{named}: {message}"
-            raise FtcoreError(f"{where}, row {index + 1}: {message}{fix} "
+            raise FtcoreError(f"{where}, row {first_row + index + 1}: {message}{fix} "
                               "(`ftcore validate --data PLAN` lists every such row with its file and line)") from None
     out: dict[str, list] = {"input_ids": [], "labels": []}
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer, when there is one
@@ -262,8 +257,8 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
 
     # The Rust tokenizer releases the GIL: batch k+1 is rendered and encoded while batch k
     # is labelled, so the Python work overlaps the tokenizer's.
-    with (reporter.progress(description, len(rows)) if reporter else _NoProgress()) as bar, \
-            concurrent.futures.ThreadPoolExecutor(1) as pool:
+    bar = progress or _NoProgress()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         queued = None
         for start in [*range(0, len(rows), batch), None]:
             following = None
@@ -272,6 +267,9 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
                 following = (pool.submit(tokenize, texts), spans, n_rows)
             if queued is not None:
                 label(queued[0].result(), queued[1])
+                if sink is not None and out["input_ids"]:
+                    sink(out)
+                    out = {"input_ids": [], "labels": []}
                 bar.advance(queued[2])
             queued = following
     return out, stats

@@ -5,24 +5,40 @@ tokenizer (vocabulary, merges, special tokens, chat template), the chat template
 component (name, options and what it renders for a probe conversation), every
 tokenization option, and ``DATA_LAYER_VERSION``. Entries live in
 ``ftcore.cache.cache_dir()/tokenized``, outside any run directory.
+
+Preparation streams: the rows are tokenized a batch at a time and written to Arrow shards of
+``SHARD_ROWS`` rows as they go, so the tokenized set is never held in memory, and the entry is the
+shards, memory-mapped when loaded. A shard is finished when its ``.json`` is written; a
+preparation that was killed resumes from the finished shards (they sit in ``.<key>.partial`` next
+to where the entry will be, and become the entry when the last one is done). One process prepares
+an entry at a time (a lock file); another waits for it and then reads the entry.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
-import uuid
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ftcore.cache import cache_dir
 
 from ftcore_plugins.common.chat import Truncation, encode
 
-DATA_LAYER_VERSION = 3  # bump when tokenization or masking changes behaviour
+DATA_LAYER_VERSION = 4  # bump when tokenization, masking or the entry's layout changes
+SHARD_ROWS = 50_000  # rows per shard: what an interrupted preparation resumes from
+SHARD_NAME = re.compile(r"\d{5}\.arrow")
+COUNTS = ("rows", "samples", "kept", "truncated", "dropped_too_long", "dropped_no_labels", "skipped_unrenderable",
+          "tokens", "label_tokens")
 
 _PROBE = [
     {"role": "system", "content": "S"},
@@ -87,8 +103,6 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
             truncation: Truncation = "truncate_response", train_on_inputs: bool = False,
             add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
             use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
-    import datasets
-
     quiet_library_progress_bars()
     options = {"max_length": max_length, "truncation": truncation, "train_on_inputs": train_on_inputs,
                "add_eos_to_text": add_eos_to_text, "on_error": on_error}
@@ -96,41 +110,114 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
         "version": DATA_LAYER_VERSION, "data": data_fingerprint(rows), "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": template_fingerprint(template, tokenizer), "options": options}, sort_keys=True).encode()
     ).hexdigest()
+    encoding = dict(tokenizer=tokenizer, template=template, max_length=max_length, truncation=truncation,
+                    train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text, on_error=on_error,
+                    where=where)
+    if not use_cache:
+        with tempfile.TemporaryDirectory(prefix="ftcore-tokenize-") as work:
+            stats = encode_shards(rows, Path(work), encoding, reporter, description)
+            return Prepared(load_shards(Path(work), in_memory=True), stats, False, key)
     folder = cache_dir() / "tokenized" / key[:2] / key
-    if use_cache and (folder / "stats.json").exists():
-        try:
-            stats = json.loads((folder / "stats.json").read_text())
-            return Prepared(datasets.load_from_disk(str(folder / "data")), stats, True, key)
-        except (OSError, ValueError, FileNotFoundError):
-            pass  # a damaged entry: rebuild it below
-    columns, encoded = encode(rows, tokenizer, template, max_length=max_length, truncation=truncation,
-                              train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text,
-                              reporter=reporter, description=description, on_error=on_error, where=where)
-    dataset = datasets.Dataset.from_dict(columns, features=datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")),
-        "labels": datasets.Sequence(datasets.Value("int32"))}))
-    stats = encoded.summary()
-    if use_cache:
-        _store(folder, dataset, stats)
-    return Prepared(dataset, stats, False, key)
+    entry = load_entry(folder)
+    if entry is not None:
+        return Prepared(*entry, True, key)
+    with prepared_alone(folder):
+        entry = load_entry(folder)  # prepared by another process while this one waited
+        if entry is not None:
+            return Prepared(*entry, True, key)
+        work = folder.with_name(f".{key}.partial")
+        stats = encode_shards(rows, work, encoding, reporter, description)
+        (work / "stats.json").write_text(json.dumps(stats))
+        if folder.exists():  # a damaged entry (load_entry said so): replaced, under the lock
+            shutil.rmtree(folder)
+        os.replace(work, folder)
+    return Prepared(load_shards(folder), stats, False, key)
 
 
-def _store(folder: Any, dataset: Any, stats: dict) -> None:
-    """Write to a temporary folder, then rename: a killed run never leaves half an entry."""
-    tmp = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp")
+def load_entry(folder: Path) -> tuple[Any, dict] | None:
+    """A finished cache entry's dataset (memory-mapped) and stats, or None (absent or damaged)."""
+    if not (folder / "stats.json").exists():
+        return None
     try:
-        tmp.mkdir(parents=True)
-        dataset.save_to_disk(str(tmp / "data"))
-        (tmp / "stats.json").write_text(json.dumps(stats))
-        os.replace(tmp, folder)
-    except OSError:
-        if folder.exists():  # another process stored the same entry first
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        return load_shards(folder), json.loads((folder / "stats.json").read_text())
+    except (OSError, ValueError):
+        return None  # a damaged entry: prepared again
+
+
+@contextlib.contextmanager
+def prepared_alone(folder: Path) -> Iterator[None]:
+    """Hold the entry's lock file while preparing it (an advisory lock, released if the process dies)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f".{folder.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def encode_shards(rows: Any, work: Path, encoding: dict, reporter: Any, description: str) -> dict:
+    """Tokenize ``rows`` into Arrow shards in ``work`` (``00000.arrow``, ...), skipping the shards a
+    killed preparation finished; returns the whole data's stats."""
+    import numpy as np
+    from datasets.arrow_writer import ArrowWriter
+
+    work.mkdir(parents=True, exist_ok=True)
+    features = tokenized_features()
+    total, shards = len(rows), max(1, -(-len(rows) // SHARD_ROWS))
+    with (reporter.progress(description, total) if reporter else contextlib.nullcontext()) as bar:
+        for shard in range(shards):
+            done, first = work / f"{shard:05d}.json", shard * SHARD_ROWS
+            part = range(first, min(total, first + SHARD_ROWS))
+            if done.exists():
+                if bar is not None:
+                    bar.advance(len(part))
+                continue
+            written = work / f"{shard:05d}.arrow.tmp"
+            with ArrowWriter(features=features, path=str(written)) as writer:
+                _, stats = encode(rows.select(part) if hasattr(rows, "select") else rows[first:part.stop],
+                                  progress=bar, first_row=first, sink=writer.write_batch, **encoding)
+                writer.finalize()
+            os.replace(written, work / f"{shard:05d}.arrow")
+            np.save(work / f"{shard:05d}.lengths.npy", np.asarray(stats.lengths, dtype=np.int32))
+            done.write_text(json.dumps({k: getattr(stats, k) for k in COUNTS}))  # last: the shard is finished
+    return merged_stats(work, shards)
+
+
+def merged_stats(work: Path, shards: int) -> dict:
+    """The shards' counts summed, with the length percentiles of every kept sample."""
+    import numpy as np
+
+    out = dict.fromkeys(COUNTS, 0)
+    lengths = []
+    for shard in range(shards):
+        counts = json.loads((work / f"{shard:05d}.json").read_text())
+        for k in COUNTS:
+            out[k] += counts[k]
+        lengths.append(np.load(work / f"{shard:05d}.lengths.npy"))
+    ordered = np.sort(np.concatenate(lengths))
+    if len(ordered):
+        for p in (50, 90, 99):
+            out[f"length_p{p}"] = int(ordered[min(len(ordered) - 1, (p * len(ordered)) // 100)])
+        out["length_max"] = int(ordered[-1])
+    return out
+
+
+def tokenized_features() -> Any:
+    import datasets
+
+    return datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                              "labels": datasets.Sequence(datasets.Value("int32"))})
+
+
+def load_shards(folder: Path, in_memory: bool = False) -> Any:
+    """The shards in ``folder`` as one Dataset: memory-mapped, or read into memory. (Only the
+    shards: the cache files datasets writes beside them for a later ``map`` are not data.)"""
+    import datasets
+
+    shards = sorted(p for p in folder.glob("*.arrow") if SHARD_NAME.fullmatch(p.name))
+    parts = [datasets.Dataset.from_file(str(p), in_memory=in_memory) for p in shards]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
 def quiet_library_progress_bars() -> None:

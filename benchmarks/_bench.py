@@ -144,6 +144,15 @@ def quiet():
         yield
 
 
+def rss_anon() -> int:
+    """This process's anonymous resident memory in bytes (RssAnon of /proc/self/status): its own
+    heap, without the memory-mapped files' pages that VmRSS and VmHWM also count."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no RssAnon in /proc/self/status (Linux only)")
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

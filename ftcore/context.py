@@ -137,3 +137,12 @@ class ExportContext:
     # Where the model the live adapter was applied to loads from on its own (a folder or a hub id), so
     # that an adapter export can name its exact base; None when no folder holds it.
     adapter_base: Callable[[], str | None] | None = None
+    # For an exporter that merges (``merges = True`` on its class; it runs after those that do not):
+    # ``consume``: the run has no further use for ``model`` as it is, so merge it in place (no copy)
+    # and set ``merged`` to the merged model, which the exports after this one get. ``last``: none
+    # follows. ``release_model()`` drops the run's own references to ``model``, so that dropping the
+    # context's frees it (before loading a full-precision base for a QLoRA merge, say).
+    consume: bool = False
+    last: bool = True
+    release_model: Callable[[], None] | None = None
+    merged: Any = None

@@ -22,7 +22,9 @@ def register_model_loaders(register: Register) -> None:
     """Register model loaders: components that produce a model and its tokenizer.
 
     :param register: call ``register(cls)`` for each loader class. The class has a
-        ``name``, an ``Options`` pydantic model, and ``load(ctx) -> (model, tokenizer)``.
+        ``name``, an ``Options`` pydantic model, and ``load(ctx) -> (model, tokenizer)``;
+        optionally ``meta_model() -> (model, config)`` on the meta device (``ftcore estimate``
+        and the pre-flight checks) and ``load_tokenizer(ctx)`` (``ftcore prepare``).
     """
 
 
@@ -67,7 +69,9 @@ def register_trainers(register: Register) -> None:
     """Register trainers (SFT, pre-training, DPO, ...), one per ``[[stage]]`` kind.
 
     :param register: call ``register(cls)`` for each trainer class, with ``name``,
-        ``Options`` and ``train(ctx) -> dict`` of final metrics.
+        ``Options`` and ``train(ctx) -> dict`` of final metrics; optionally
+        ``prepare_data(ctx)``, the tokenization alone, which ``ftcore prepare`` calls
+        with the tokenizer and a meta-device model.
     """
 
 
@@ -85,7 +89,9 @@ def register_exporters(register: Register) -> None:
     """Register exporters, which write the trained model somewhere other tools can load it.
 
     :param register: call ``register(cls)`` for each exporter class, with ``name``,
-        ``Options`` and ``export(ctx) -> pathlib.Path``.
+        ``Options`` and ``export(ctx) -> pathlib.Path``. An exporter that folds the
+        adapter into the model sets ``merges = True``: it runs after the exports that read
+        the adapter model, and may merge it in place (``ExportContext.consume``).
     """
 
 

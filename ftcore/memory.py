@@ -29,6 +29,17 @@ def _status() -> dict[str, int]:
     return out
 
 
+def available_bytes() -> int | None:
+    """Memory the system can give without swapping (MemAvailable of /proc/meminfo), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def reset_peak() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")

@@ -106,6 +106,7 @@ BUILTIN_COMMANDS = (
     "ftcore_plugins.commands.estimate",
     "ftcore_plugins.commands.report",
     "ftcore_plugins.commands.cache",
+    "ftcore_plugins.commands.prepare",
     "ftcore_plugins.commands.chat",
     "ftcore_plugins.commands.generate",
 )

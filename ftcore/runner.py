@@ -57,6 +57,7 @@ class Runner:
         self.template = plan.template.create()
         self._data: dict[str, Any] = {}
         self._base: tuple[Any, Any] | None = None
+        self._live: ModelState | None = None  # the model the exports read, while they run
         self.steps: list[StepTime] = []
         self.evaluations: dict[str, dict[str, Any]] = {}
         self.stage_metrics: dict[str, dict[str, Any]] = {}
@@ -163,6 +164,59 @@ class Runner:
         if problems:
             raise PlanError(problems)
 
+    def data_tokenizer(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` for work on the data alone (``ftcore prepare``, ``ftcore estimate``):
+        the run's tokenizer, with the template's tokens added to the model built on the meta device,
+        so no weights are read. The reporter writes nothing to the run folder."""
+        import tempfile
+
+        if self.reporter is None:
+            self.reporter = Reporter(self.console, None, None, self.info)
+            self.info.reporter = self.reporter
+        loader = self.plan.model.create()
+        with tempfile.TemporaryDirectory(prefix="ftcore-data-") as work:
+            ctx = LoadContext(self.info, self.reporter, self.quantizer, self.plan.seed, Path(work), self._load_data)
+            with calling(self.plan.model, "load"):
+                if hasattr(loader, "load_tokenizer") and hasattr(loader, "meta_model"):
+                    tokenizer, model = loader.load_tokenizer(ctx), loader.meta_model()[0]
+                else:  # a loader that cannot give its tokenizer alone: the whole model
+                    model, tokenizer = loader.load(ctx)
+        prepare = getattr(self.template, "prepare", None)
+        if prepare is not None:
+            with calling(self.plan.template, "prepare"):
+                model, tokenizer = prepare(model, tokenizer)
+        return model, tokenizer
+
+    def prepare_data(self, only: list[str] | None = None) -> list[tuple[str, str]]:
+        """Only the data preparation (``ftcore prepare``): each stage's trainer ``prepare_data(ctx)``
+        fills the shared tokenized-data cache, so that a run starts from it. Its tokenizer is the
+        run's (the loader's, with the template's tokens added to a meta-device model): no weights
+        are read, nothing is written in the run folder. Returns ``(stage, what happened)`` per stage."""
+        stages = [s for s in self.plan.stages if only is None or s.name in only]
+        missing = sorted(set(only or ()) - {s.name for s in stages})
+        if missing:
+            raise FtcoreError(f"no stage named {', '.join(map(repr, missing))}; stages: "
+                              f"{', '.join(s.name for s in self.plan.stages)}")
+        model, tokenizer = self.data_tokenizer()
+        done = []
+        for stage in stages:
+            trainer = stage.trainer.create()
+            if not hasattr(trainer, "prepare_data"):
+                done.append((stage.name, f"trainer '{stage.trainer.name}' tokenizes its data as it trains"))
+                continue
+            train = self._load_data(stage.data)
+            if not hasattr(train, "__len__"):  # a streaming source: read as it trains
+                done.append((stage.name, f"data '{stage.data}' streams as the stage trains: nothing to prepare"))
+                continue
+            ctx = StageContext(self.info, self.reporter, stage.name, model, tokenizer, self.template, train,
+                               self._load_data(stage.eval_data) if stage.eval_data else None,
+                               self.stage_dir(stage), self.stage_dir(stage) / "checkpoints", None, self.plan.seed,
+                               adapter=stage.adapter.create())
+            with calling(stage.trainer, "prepare_data"):
+                trainer.prepare_data(ctx)
+            done.append((stage.name, "prepared"))
+        return done
+
     def _prepare(self) -> str:
         self._check_exports_free()
         return rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
@@ -203,8 +257,14 @@ class Runner:
                 self._evaluate(stage.name, state.model, state.tokenizer)
         if after:
             self._evaluate("after", state.model, state.tokenizer)
-        for export in exports:
-            self._export(export, state)
+        # Exports that read the adapter model as it is go first; then those that merge it (``merges =
+        # True``), which may merge it in place and hand the merged model on, so no export holds two
+        # copies of the model.
+        exports.sort(key=lambda e: bool(getattr(e.exporter.reg.cls, "merges", False)))
+        self._live, state = state, None
+        for i, export in enumerate(exports):
+            self._export(export, last=i == len(exports) - 1)
+        self._live = None
         if exports:
             self._measure("exported")
 
@@ -342,17 +402,33 @@ class Runner:
         if self.info.is_main:
             rundir.write_json(self.run_dir / "evaluations" / f"{phase}.json", results)
 
-    def _export(self, export: Any, state: ModelState) -> None:
+    def _release_live(self) -> None:
+        """Drop the runner's references to the live model (an exporter that owns it now asks)."""
+        import gc
+
+        self._live, self._base = None, None
+        gc.collect()  # the trainers' objects hold it in reference cycles
+
+    def _export(self, export: Any, last: bool) -> None:
+        state = self._live
+        merges = bool(getattr(export.exporter.reg.cls, "merges", False))
+        memory.reset_peak()
+        before = memory.snapshot().get("rss_mib")
         path = self.export_path(export)
         # Written under a hidden name next to its place and renamed into place once complete: a killed
         # export leaves no partial folder under the final name (a leftover partial is replaced next time).
         partial = path.with_name(f".{path.name}.partial")
+        # What the callbacks need of the state, without the model: the context holds that now, and
+        # release_model() drops the runner's own reference.
+        where = ModelState(None, state.tokenizer, state.adapter, state.adapter_from)
         with self._step(f"export:{export.name}"):
             ctx = ExportContext(self.info, self.reporter, state.model, state.tokenizer, self.template,
                                 state.adapter.create() if state.adapter else None, partial, export.name,
                                 provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
-                                load_full_precision_base=lambda: self._full_precision_base(state),
-                                final_path=path, adapter_base=lambda: self._adapter_base(state))
+                                load_full_precision_base=lambda: self._full_precision_base(where),
+                                final_path=path, adapter_base=lambda: self._adapter_base(where),
+                                consume=merges, last=last, release_model=self._release_live if merges else None)
+            state = None
             if self.info.is_main:
                 rundir.remove(partial)  # a killed export's leftover
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -369,6 +445,12 @@ class Runner:
                 rundir.write_json(self.run_dir / "exports.json",
                                   {**done, export.name: rundir.stored_path(self.run_dir, artifact)})
                 self.reporter.info(f"exported [bold]{export.name}[/] to {artifact}")
+            if ctx.merged is not None:  # the exports after this one get the merged model
+                self._live = ModelState(ctx.merged, where.tokenizer, None, where.adapter_from)
+            elif self._live is None and not last:
+                raise ComponentError(f"exporter '{export.exporter.name}' from {export.exporter.reg.who()} released the "
+                                     f"model and handed no merged model on to the exports after it [{export.exporter.key}]")
+        self._measure(f"export:{export.name}", rss_before_mib=before)
 
     def _phase_order(self) -> list[str]:
         return phase_order([s.name for s in self.plan.stages])
@@ -506,9 +588,9 @@ class Runner:
                 raise FtcoreError(f"{self.plan.path.name}: export '{export.name}': {path} already exists; "
                                   "choose another export path or move it away (ftcore never overwrites it)")
 
-    def _measure(self, point: str) -> dict[str, Any]:
+    def _measure(self, point: str, **extra: Any) -> dict[str, Any]:
         """Record memory at a point of the run; peaks are since the last reset."""
-        values = memory.snapshot()
+        values = {**memory.snapshot(), **{k: v for k, v in extra.items() if v is not None}}
         self.memory[point] = values
         if self.reporter is not None:
             self.reporter.log("memory", {f"{point}/{k}": v for k, v in values.items()})

@@ -231,3 +231,67 @@ def test_real_positions_count_padding_out_of_every_mask_shape():
     additive = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
     assert real_positions(ids, additive) == 4
     assert real_positions(ids, None) == 10
+
+
+@pytest.mark.slow
+def test_prepare_scale_tiny_mode(tmp_path):
+    """Each size is prepared and raw-tokenized to the same token count, and a preparation killed
+    halfway reuses the shards it finished and ends with the whole data's counts."""
+    out = bench("prepare_scale.py", "--tiny", "--json", str(tmp_path / "r.json"))
+    measured = json.loads((tmp_path / "r.json").read_text())
+    sizes = [r["rows"] for r in measured["results"]]
+    assert sizes == [2_000, 4_000]
+    for r in measured["results"]:
+        assert r["prepare"]["rows"] == r["rows"] and r["prepare"]["tokens"] == r["raw"]["tokens"] > r["rows"]
+        rate = r["prepare"]["tokens"] / r["prepare"]["seconds"] / (r["raw"]["tokens"] / r["raw"]["seconds"])
+        assert f"| {r['rows']:,} |" in out and f"| {rate:.2f} |" in out
+    resume = measured["resume"]
+    assert resume["shards"] == 8 and 4 <= resume["finished_when_killed"] <= resume["shards_reused"] < 8
+    assert resume["tokens"] == measured["results"][-1]["prepare"]["tokens"]
+    assert f"the rerun reused {resume['shards_reused']} and took" in out
+
+
+def test_dedup_memory_tiny_mode(tmp_path):
+    """Both dedup kinds keep every generated row (they are all new) and the table prints what was
+    measured; near dedup's index holds more than exact dedup's digests."""
+    out = bench("dedup_memory.py", "--tiny", "--json", str(tmp_path / "r.json"))
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["rows"], r["kind"]) for r in results] == [(5_000, "exact"), (5_000, "near"), (10_000, "exact"),
+                                                          (10_000, "near")]
+    for r in results:
+        assert r["kept"] == r["rows"] and r["bytes"] > 0
+        assert f"| {r['rows']:,} | {r['kind']} | {r['kept']:,} | {r['bytes'] / 2**20:.1f} |" in out
+    exact, near = results[2], results[3]
+    assert near["bytes"] > exact["bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "tokenizers" / "qwen25").exists(), reason="../shared fixtures absent")
+def test_streaming_tiny_mode(tmp_path):
+    """A streaming pretrain run trains every step on full blocks, and the report is its own record."""
+    out = bench("streaming.py", "--tiny", "--json", str(tmp_path / "r.json"))
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["steps"] == 5 and r["train_tokens"] == 5 * 4 * 256
+    assert 0 < r["load_to_first_step_s"] < r["start_to_first_step_s"]
+    assert r["rss_mib"]["first"] > 100 and r["peak_rss_mib"] >= r["rss_mib"]["last"]
+    assert f"from the source's load to the first step: {r['load_to_first_step_s']:.1f} s" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "tokenizers" / "qwen25").exists(), reason="../shared fixtures absent")
+def test_real_size_tiny_mode(tmp_path):
+    """The 0.5B benchmark's plans, shortened: both run every phase, the trained model's perplexity
+    moves, every export is measured, and the table prints what was measured."""
+    out = bench("real_size.py", "--tiny", "--json", str(tmp_path / "r.json"), timeout=1800)
+    measured = json.loads((tmp_path / "r.json").read_text())
+    runs = {r["kind"]: r for r in measured["results"]}
+    assert set(runs) == {"lora", "qlora"}
+    assert {p for p in runs["lora"]["memory"] if p.startswith("export:")} == {"export:adapter", "export:merged",
+                                                                              "export:gguf"}
+    assert {p for p in runs["qlora"]["memory"] if p.startswith("export:")} == {"export:merged"}
+    for kind, r in runs.items():
+        assert r["perplexity"]["after"] != r["perplexity"]["before"]
+        assert all(v["rss_before_mib"] > 0 for p, v in r["memory"].items() if p.startswith("export:"))
+        trained = r["memory"]["sft: trained"]["peak_rss_mib"]
+        assert f"| {kind} | train (" in out and f"| {trained:,.0f} | {r['estimate_mib']:,.0f} |" in out
+    assert "time model:" in out and runs["lora"]["predicted_step_s"] > 0

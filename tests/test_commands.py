@@ -55,11 +55,12 @@ def test_builtin_commands_are_plugins_and_help_lists_them(tmp_path):
     assert r.stderr == ""
     for name, line in (("init", "write a starter plan"), ("estimate", "predict each stage's peak memory"),
                        ("report", "write a run's report.html"), ("cache", "show or clear the tokenized-data cache"),
-                       ("chat", "chat with a run's model"), ("generate", "answer a JSONL file of prompts")):
+                       ("chat", "chat with a run's model"), ("generate", "answer a JSONL file of prompts"),
+                       ("prepare", "tokenize a plan's data into the cache, without training")):
         assert lines_with(r.stdout, name, line), r.stdout
     listing = json.loads(ftcore_cli("plugins", "--json", cwd=tmp_path).stdout)
     by_name = {c["name"]: c for c in listing["commands"]}
-    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate"}
+    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare"}
     assert all(c["dist"] == "ftcore" and c["plugin"].startswith("ftcore_plugins.commands.") for c in by_name.values())
 
 

@@ -84,3 +84,56 @@ def test_init_never_overwrites_a_plan_and_needs_answers_without_a_terminal(tmp_p
     assert again.returncode == 2 and "already exists" in again.stderr
     missing = run_cli("init", "-o", str(tmp_path / "new.toml"), "--model", "m")
     assert missing.returncode == 2 and "--gpu-memory is required" in missing.stderr
+
+
+# -- plans fitted to the memory, from the model's config ------------------------------------------
+
+CONFIGS = {  # the public configs of these models (config.json fields), no weights
+    "7b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+           "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096},
+    "8b": {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+           "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+           "rope_theta": 500000.0},
+    "13b": {"model_type": "llama", "hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40,
+            "num_hidden_layers": 40, "num_key_value_heads": 40, "vocab_size": 32000, "max_position_embeddings": 4096},
+    "70b": {"model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+            "num_hidden_layers": 80, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rope_theta": 500000.0},
+}
+PAIRS = [{"prompt": f"Say {i}.", "chosen": f"{i}.", "rejected": "No."} for i in range(300)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, gb, goal", [("7b", 12, "sft"), ("8b", 12, "sft"), ("8b", 24, "dpo"), ("13b", 16, "sft"),
+                                            ("13b", 80, "dpo"), ("70b", 80, "sft")])
+def test_init_fits_the_plan_to_the_gpu_memory_by_the_estimate(tmp_path, size, gb, goal):
+    """The issue's case first: a 7B Llama at 12 GB used to get batch 8 x 2048, which the estimate put at
+    21 GiB. Now every plan `ftcore init` writes is one `ftcore estimate --device cuda --budget` passes."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False,
+                                  "rms_norm_eps": 1e-5, **CONFIGS[size]}))
+    rows = PAIRS if goal == "dpo" else [{"instruction": f"Say {i}", "output": f"{i}"} for i in range(300)]
+    flags = ("--kind", "preferences", "--goal", "alignment", "--kl", "low") if goal == "dpo" else \
+        ("--kind", "instructions", "--goal", "task")
+    plan, text = init(tmp_path, "--gpu-memory", f"{gb}GB", "--config", str(config), *flags, kind_rows=rows)
+    assert f"Fitted to {gb} GB of GPU memory" in text and key(text, "trainer") == f'"{goal}"'
+    assert key(text, "path") == '"org/model"'  # the plan names the model; the config only served the fit
+    # The estimate reads the config the way a user with the model at hand would.
+    folder = tmp_path / "org" / "model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(config.read_text())
+    plan.write_text(text.replace('path = "org/model"', f'path = "{folder}"'))
+    r = run_cli("estimate", str(plan), "--device", "cuda", "--budget", f"{gb}GB")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert f"; fits {gb}.00 GiB" in r.stdout and "does NOT fit" not in r.stdout, r.stdout[-1500:]
+
+
+def test_init_says_when_no_plan_fits(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **CONFIGS["70b"]}))
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")
+    r = run_cli("init", "-o", str(tmp_path / "plan.toml"), "--data", str(data), "--model", "org/model",
+                "--gpu-memory", "8GB", "--config", str(config), "--kind", "instructions", "--goal", "task")
+    assert r.returncode == 2 and "no plan fits 8 GB of GPU memory even as qlora" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "plan.toml").exists()

@@ -46,7 +46,9 @@ use = "merged"
     assert "Memory (MiB, measured)" in result.stdout
     run = tiny_project.dir / "runs" / "tiny"
     memory = json.loads((run / "summary.json").read_text())["memory"]
-    assert list(memory) == ["baseline", "model loaded", "sft: adapter applied", "sft: trained", "exported"]
+    assert list(memory) == ["baseline", "model loaded", "sft: adapter applied", "sft: trained", "export:merged", "exported"]
+    export = memory["export:merged"]  # each export is measured, with the resident set it started from
+    assert export["peak_rss_mib"] >= export["rss_before_mib"] > 0
     assert memory["model loaded"]["rss_mib"] > memory["baseline"]["rss_mib"]  # torch and a model are resident
     assert memory["sft: trained"]["peak_rss_mib"] >= memory["sft: trained"]["rss_mib"]
     stage = json.loads((run / "stages" / "sft" / "COMPLETE.json").read_text())["metrics"]

@@ -207,3 +207,22 @@ max_steps = 1
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads((tiny_project.dir / "runs" / "tiny" / "data_report.json").read_text())
     assert report["0-sft/train"]["kept"] == 8 and report["0-sft/train"]["label_tokens"] > 0
+
+
+def test_near_dedup_says_when_its_index_may_not_fit(monkeypatch):
+    """The index grows by NearDuplicates.BYTES_PER_ROW a row (benchmarks/dedup_memory.py measured it):
+    when that would take over half the memory available, one warning says so, with the numbers."""
+    from ftcore import memory
+    from ftcore_plugins.data._quality import NearDuplicates, clean_and_split
+
+    rows = [text(f"{LONG} {i}") for i in range(40)]
+    warned: list[str] = []
+    monkeypatch.setattr(memory, "available_bytes", lambda: 40 * NearDuplicates.BYTES_PER_ROW)  # room for 20 rows
+    out = clean_and_split(datasets.Dataset.from_list(rows), options(dedup="near"), {}, "data.big", warn=warned.append)
+    assert len(warned) == 1 and warned[0].startswith("data.big: near dedup of 40 rows holds about")
+    assert "dedup = \"exact\"" in warned[0]
+    assert len(out["train"]) == 1  # the rows are near-duplicates of the first: dedup still ran
+    monkeypatch.setattr(memory, "available_bytes", lambda: 100 * NearDuplicates.BYTES_PER_ROW)
+    warned.clear()
+    clean_and_split(datasets.Dataset.from_list(rows), options(dedup="near"), {}, "data.big", warn=warned.append)
+    assert warned == []

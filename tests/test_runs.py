@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, run_cli
+from ftcore.testing import complete_checkpoints, start_ftcore, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -101,19 +99,12 @@ def test_two_stage_run_exports_load_in_plain_transformers_and_peft(tiny_project)
 def test_sigkill_mid_training_then_resume_completes(tiny_project):
     plan = tiny_project(TWO_STAGES.format(sft_steps=400, save_steps=5))
     run = tiny_project.dir / "runs" / "tiny"
-    checkpoints = run / "stages" / "sft" / "checkpoints"
-    proc = subprocess.Popen([sys.executable, "-m", "ftcore", "run", str(plan)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            if any((c / "trainer_state.json").exists() for c in checkpoints.glob("checkpoint-*")):
-                break
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run finished before it could be killed: " + proc.stderr.read()[-2000:]
+    proc = start_ftcore("run", plan)
+    try:  # kill once a checkpoint is complete: one killed mid-save is (rightly) never resumed from
+        wait_until(proc, lambda: complete_checkpoints(run, "sft"), timeout=600)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
-        proc.wait()
+        proc.communicate()
     assert (run / "stages" / "pretrain" / "COMPLETE.json").exists()
     assert not (run / "stages" / "sft" / "COMPLETE.json").exists()
 

@@ -70,6 +70,9 @@ from ftcore.errors import FtcoreError
 
 MiB = 2**20
 GiB = 2**30
+# The GPU types --gpu knows (their rates: plugins/commands/_compute.py); listed here so that
+# `ftcore estimate --help` needs no import beyond the standard library.
+GPUS = ("b200", "h200", "h100-sxm", "h100-pcie", "mi300x", "a100", "l40s", "a10", "l4", "rtx4090", "rtx3090")
 TERMS = ("weights", "gradients", "optimizer", "activations", "overhead")
 DEFAULTS = {"batch_size": 8, "seq_len": 512, "gradient_checkpointing": False, "optimizer": "adamw_torch",
             "precision": "auto"}
@@ -102,6 +105,7 @@ class StageEstimate:
     sources: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     residue: int = 0  # checkpoint pages the loader leaves resident (host memory; part of overhead on CPU)
+    compute_params: int = 0  # the weights a token multiplies: all but the input embedding (a tied head once)
 
     @property
     def total(self) -> int:
@@ -261,6 +265,7 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     settings = _settings(stage, trainer, device, calling, sources, notes)
 
     model, config = _meta_model(plan, loader, calling, sources)
+    compute_params = _compute_params(model)
     prepare = _optional(quantizer, "prepare_meta")
     if prepare is not None:
         with calling(plan.quantizer, "prepare_meta"):
@@ -336,7 +341,19 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     return StageEstimate(stage.name, stage.trainer.name, _adapter_label(stage.adapter), settings,
                          sum(p.numel() for p in params) if params else total_before,
                          sum(p.numel() for p in trainable), weights, gradients, optimizer, activations,
-                         sources=sources, notes=notes, residue=residue)
+                         sources=sources, notes=notes, residue=residue, compute_params=compute_params)
+
+
+def _compute_params(model: Any) -> int:
+    """Parameters a token's forward multiplies: all but the input embedding (a lookup), with an
+    output head tied to it counted once."""
+    total = sum(p.numel() for p in model.parameters())
+    inputs = model.get_input_embeddings()
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if inputs is None:
+        return total
+    tied = output is not None and output.weight is inputs.weight
+    return total - (0 if tied else inputs.weight.numel())
 
 
 def _adapter_label(sel: Any) -> str:
@@ -538,8 +555,10 @@ def print_estimate(result: Estimate, console: Any) -> None:
         console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True, style="dim")
 
 
-def main_estimate(plan: Any, *, device: str, budget: str | None, as_json: bool, console: Any) -> int:
-    """The CLI command's body: 0 fits (or no budget), 1 does not fit."""
+def main_estimate(plan: Any, *, device: str, budget: str | None, as_json: bool, console: Any,
+                  compute: dict[str, Any] | None = None, pm: Any = None) -> int:
+    """The CLI command's body: 0 fits (or no budget), 1 does not fit. ``compute`` (gpu, gpus, mfu,
+    price, peak_flops) adds each stage's tokens, FLOPs, hours and cost."""
     import json
 
     try:
@@ -551,11 +570,65 @@ def main_estimate(plan: Any, *, device: str, budget: str | None, as_json: bool, 
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     result = estimate_plan(plan, device=device, budget=budget_bytes)
+    times = estimate_time(plan, pm, result, **compute) if compute else None
     if as_json:
-        sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+        out = result.to_json()
+        if times is not None:
+            out["compute"] = times
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
     else:
         print_estimate(result, console)
+        if times is not None:
+            print_time(times, console)
     return 1 if result.fits() is False else 0
+
+
+def estimate_time(plan: Any, pm: Any, result: Estimate, *, gpu: str, gpus: int, mfu: float | None,
+                  price: float | None, peak_flops: float | None) -> dict[str, Any]:
+    """Tokens, FLOPs, hours and cost of every stage (plugins/commands/_compute.py)."""
+    from ftcore.runner import Runner
+
+    from ftcore_plugins.commands import _compute as C
+
+    peak, peak_source = C.peak_flops(gpu, peak_flops)
+    mfu = mfu if mfu is not None else (1.0 if gpu == "cpu" else C.MFU)
+    runner = Runner(plan, pm, None)
+    with _quiet():
+        _, tokenizer = runner.data_tokenizer()
+        config = _meta_model(plan, plan.model.create(), lambda *a: contextlib.nullcontext(), {})[1]
+        stages = [C.stage_compute(s, runner, stage, tokenizer, config, peak=peak, mfu=mfu, gpus=gpus, price=price,
+                                  compute_params=s.compute_params)
+                  for s, stage in zip(result.stages, plan.stages)]
+    hours = sum(s.hours for s in stages)
+    return {"gpu": gpu, "gpus": gpus, "peak_flops": peak, "peak_flops_source": peak_source, "mfu": mfu,
+            "price_per_gpu_hour": price, "stages": [s.to_json() for s in stages], "hours": hours,
+            "cost": hours * gpus * price if price is not None else None,
+            "formula": "hours = tokens x FLOPs per token / (GPUs x peak FLOP/s x MFU) / 3600; "
+                       "cost = hours x GPUs x price per GPU-hour"}
+
+
+def print_time(times: dict[str, Any], console: Any) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    where = f"{times['gpus']} x {times['gpu']}"
+    table = Table(title=f"Estimated time and cost on {where} ({times['peak_flops'] / 1e12:,.1f} TFLOP/s peak each, "
+                        f"{times['peak_flops_source']}; MFU {times['mfu']:g})", title_justify="left")
+    for column in ("stage", "tokens / epoch", "tokens trained", "GFLOPs / token", "hours", "cost"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for s in times["stages"]:
+        table.add_row(escape(s["stage"]), "stream" if s["tokens_per_epoch"] is None else f"{s['tokens_per_epoch']:,}",
+                      f"{s['tokens']:,}", f"{s['flops_per_token'] / 1e9:,.4g}", f"{s['hours']:,.3g}",
+                      "" if s["cost"] is None else f"{s['cost']:,.4g}")
+    console.print(table)
+    total = f"total: {times['hours']:,.3g} hours" + (
+        f", cost {times['cost']:,.4g} ({times['hours']:,.3g} h x {times['gpus']} GPUs x "
+        f"{times['price_per_gpu_hour']:g} per GPU-hour)" if times["cost"] is not None else "")
+    console.print(total, highlight=False)
+    console.print(f"formula: {times['formula']}", highlight=False, style="dim")
+    for s in times["stages"]:
+        console.print(f"stage {escape(s['stage'])}: tokens: {escape(s['tokens_source'])}; FLOPs per token = "
+                      f"{escape(s['flops_formula'])}", highlight=False, soft_wrap=True, style="dim")
 
 
 class EstimateCommand(Command):
@@ -574,12 +647,26 @@ class EstimateCommand(Command):
         parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                             help="where the run would train (default: cuda if this machine has one, else cpu)")
         parser.add_argument("--json", action="store_true", help="machine-readable output")
+        time = parser.add_argument_group("time and cost (tokens the data holds x FLOPs per token / GPU rate)")
+        time.add_argument("--gpu", choices=(*GPUS, "cpu"),
+                          help="the GPU type to time the run on (cpu: this machine, its matmul rate measured)")
+        time.add_argument("--gpus", type=int, default=1, help="how many of them (default 1)")
+        time.add_argument("--mfu", type=float, help="model FLOPs utilisation, 0-1 (default 0.35; 1 for cpu)")
+        time.add_argument("--price", type=float, help="price per GPU-hour, for the cost")
+        time.add_argument("--peak-flops", type=float, help="peak FLOP/s per GPU, instead of the table's")
 
     def run(self, args: argparse.Namespace) -> int:
         from rich.console import Console
 
-        plan, _ = self.load_plan(args.plan)
-        return main_estimate(plan, device=args.device, budget=args.budget, as_json=args.json, console=Console())
+        if args.gpu is None and any(v is not None for v in (args.mfu, args.price, args.peak_flops)):
+            raise FtcoreError("--mfu, --price and --peak-flops time the run on a GPU: add --gpu TYPE")
+        if args.gpus < 1 or (args.mfu is not None and not 0 < args.mfu <= 1) or (args.price or 0) < 0:
+            raise FtcoreError("--gpus must be at least 1, --mfu between 0 and 1, --price not negative")
+        plan, pm = self.load_plan(args.plan)
+        compute = None if args.gpu is None else {"gpu": args.gpu, "gpus": args.gpus, "mfu": args.mfu,
+                                                  "price": args.price, "peak_flops": args.peak_flops}
+        return main_estimate(plan, device=args.device, budget=args.budget, as_json=args.json, console=Console(),
+                             compute=compute, pm=pm)
 
 
 @ftcore.hookimpl

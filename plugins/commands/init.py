@@ -10,7 +10,10 @@ The decision tree is the one ML engineers use:
 * Data size sets learning rate and epochs: under 1k rows a higher rate and 5-10 epochs,
   1k-10k rows 3-5 epochs, more 1-3.
 
-Pure text generation: nothing here loads a model or imports torch.
+With the model's config at hand (a local folder, a cached hub id, or ``--config``), the plan is
+fitted: the method, batch size, gradient accumulation, max_length and gradient checkpointing
+are chosen so that ``ftcore estimate`` says it fits the GPU memory with a margin (:func:`fit`),
+and the plan's comments say so. Without it, the tree above decides alone.
 """
 
 from __future__ import annotations
@@ -89,11 +92,30 @@ def method(gb: float) -> tuple[str, str]:
                     "with DeepSpeed ZeRO or FSDP")
 
 
-def write_plan(a: Answers) -> str:
-    how, why_method = method(a.gpu_memory_gb)
-    rlhf = (a.goal == "alignment" or a.kind == "preferences") and a.kl == "high" and a.goal != "domain" \
+@dataclass
+class Choice:
+    """What ``fit`` chose for the memory at hand, and the estimate that says it fits."""
+
+    method: str  # qlora, lora or full
+    batch: int
+    accumulation: int
+    max_length: int
+    checkpointing: bool
+    why: list[str]  # comment lines for the plan
+
+
+def is_rlhf(a: Answers) -> bool:
+    return (a.goal == "alignment" or a.kind == "preferences") and a.kl == "high" and a.goal != "domain" \
         and a.kind != "text"
-    if how == "qlora" and rlhf:
+
+
+def write_plan(a: Answers, choice: Choice | None = None) -> str:
+    """The plan for the answers; ``choice`` (from :func:`fit`) sets the method and the memory knobs."""
+    how, why_method = method(a.gpu_memory_gb)
+    rlhf = is_rlhf(a)
+    if choice is not None:
+        how, why_method = choice.method, f"{a.gpu_memory_gb:g} GB of GPU memory: see the estimate above"
+    elif how == "qlora" and rlhf:
         # The reward stage builds its model from a copy of the policy's weights, which 4-bit weights
         # cannot give: the smallest method all three stages share is LoRA with checkpointing.
         how, why_method = "lora", (why_method + "; but SFT -> reward -> PPO needs full-precision weights (the "
@@ -103,6 +125,7 @@ def write_plan(a: Answers) -> str:
     lines = [
         "# Written by `ftcore init`. Every choice below says why; change anything, then run",
         "#   ftcore validate plan.toml && ftcore run plan.toml",
+        *(f"# {line}" for line in (choice.why if choice else [])),
         "",
         "[run]",
         f'name = "{a.name}"',
@@ -130,6 +153,14 @@ def write_plan(a: Answers) -> str:
     common = [f"epochs = {epochs}   # {why_schedule}", f"learning_rate = {lr:g}",
               f"gradient_checkpointing = {'true' if tight else 'false'}" + (
                   "   # trades compute for activation memory" if tight else "")]
+    knobs: list[str] = []  # every stage's memory settings, when fitted
+    if choice is not None:
+        common = common[:2]
+        knobs = [f"batch_size = {choice.batch}",
+                 f"gradient_accumulation_steps = {choice.accumulation}   # an effective batch of "
+                 f"{choice.batch * choice.accumulation}",
+                 f"max_length = {choice.max_length}",
+                 f"gradient_checkpointing = {'true' if choice.checkpointing else 'false'}"]
     stages: list[list[str]] = []
     if a.goal == "domain" or a.kind == "text":
         stages.append(["# Domain shift on raw text: continued pre-training on every token.", "[[stage]]",
@@ -154,12 +185,96 @@ def write_plan(a: Answers) -> str:
                        "[[stage]]", 'name = "sft"', 'trainer = "sft"', 'data = "train"', *common,
                        "max_length = 2048"])
     for stage in stages:
+        if knobs:  # the fitted settings replace the defaults' max_length
+            stage = [line for line in stage if not line.startswith("max_length")] + knobs
         lines += [*stage, ""]
     if a.kind != "preferences":
         lines += ["[[evaluate]]", 'use = "perplexity"   # token-weighted, before and after training',
                   'data = "train:validation"', ""]
     lines += ["[[export]]", 'use = "adapter"' if how != "full" else 'use = "merged"', ""]
     return "\n".join(lines)
+
+
+EFFECTIVE_BATCH = 16  # samples per optimizer step, kept as the batch shrinks (gradient accumulation)
+MARGIN = 0.10  # of the GPU memory left free: the estimate's error and the allocator's fragmentation
+LENGTHS = (2048, 1024, 512)
+BATCHES = (8, 4, 2, 1)
+
+
+def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
+    """The first plan, in order of preference, that ``ftcore estimate`` (CUDA, bf16) says fits the
+    GPU memory less ``MARGIN``: the method the memory suggests and then the leaner ones; within a
+    method the longest ``max_length``, then no gradient checkpointing, then the largest batch
+    (gradient accumulation keeps the effective batch). None when no config is at hand."""
+    import shutil
+    import tempfile
+
+    from ftcore.cli import plugins_with_warnings
+    from ftcore.plan import load_plan
+
+    from ftcore_plugins.commands.estimate import GiB, estimate_plan, human
+
+    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"  # a config is read, never downloaded
+    budget = int(a.gpu_memory_gb * GiB * (1 - MARGIN))
+    methods = ("full", "lora", "qlora")
+    order = list(methods[methods.index(method(a.gpu_memory_gb)[0]):])
+    if is_rlhf(a):
+        order = [m for m in order if m != "qlora"] or ["lora"]  # the reward model copies full-precision weights
+    with tempfile.TemporaryDirectory(prefix="ftcore-init-", dir=out.resolve().parent) as tmp:
+        # The candidates sit in a folder beside the plan: its relative paths are rewritten for them.
+        home = out.resolve().parent
+        model = os.path.relpath(home / a.model, tmp) if (home / a.model).exists() else a.model
+        if config is not None:  # the model's config alone, where its folder is not at hand
+            folder = Path(tmp) / "config"
+            folder.mkdir()
+            shutil.copy(config, folder / "config.json")
+            model = "config"
+        data = os.path.relpath(home / a.data, tmp)
+        candidate = Path(tmp) / "plan.toml"
+        _, reg = plugins_with_warnings(quiet=True)
+        tried = 0
+
+        def peak(choice: Choice) -> int | None:
+            nonlocal tried
+            tried += 1
+            text = write_plan(Answers(**{**a.__dict__, "model": model, "data": data}), choice)
+            candidate.write_text(text, encoding="utf-8")
+            try:
+                estimate = estimate_plan(load_plan(candidate, reg), device="cuda", budget=budget)
+            except FtcoreError:
+                return None
+            return estimate.peak
+
+        for how in order:
+            lean = Choice(how, 1, EFFECTIVE_BATCH, LENGTHS[-1], True, [])
+            if (p := peak(lean)) is None:
+                return None  # the config cannot be read: no estimate to fit against
+            if p > budget:
+                continue
+            for length in LENGTHS:
+                # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
+                for checkpointing in ((True,) if how == "qlora" else (False, True)):
+                    for batch in BATCHES:
+                        choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [])
+                        need = peak(choice)
+                        if need is not None and need <= budget:
+                            choice.why = [
+                                f"Fitted to {a.gpu_memory_gb:g} GB of GPU memory: `ftcore estimate --device cuda` "
+                                f"says {human(need)} at its peak, within {human(budget)} (the memory less a "
+                                f"{MARGIN:.0%} margin); {tried} settings tried, in this order of preference:",
+                                f"  method {' > '.join(order)} ({how} chosen), then max_length "
+                                f"{' > '.join(map(str, LENGTHS))} ({length}), then "
+                                + ("gradient checkpointing on (the 4-bit quantizer's own)" if how == "qlora" else
+                                   f"gradient checkpointing off > on ({'on' if checkpointing else 'off'})")
+                                + f", then batch {' > '.join(map(str, BATCHES))} "
+                                f"({batch}, accumulating {choice.accumulation} for an effective batch of "
+                                f"{batch * choice.accumulation}).",
+                                "Check it on the real hardware: ftcore estimate plan.toml --device cuda --budget "
+                                f"{a.gpu_memory_gb:g}GB"]
+                            return choice
+        raise FtcoreError(f"init: no plan fits {a.gpu_memory_gb:g} GB of GPU memory even as {order[-1]} with batch 1, "
+                          f"max_length {LENGTHS[-1]} and gradient checkpointing ({tried} settings estimated); use "
+                          "more memory per GPU, or several GPUs with DeepSpeed ZeRO-3 (see docs/distributed.md)")
 
 
 def ask(prompt: str, default: str | None = None, choices: tuple[str, ...] | None = None) -> str:
@@ -184,6 +299,8 @@ class InitCommand(Command):
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("-o", "--output", default="plan.toml", help="where to write the plan (default plan.toml)")
         parser.add_argument("--model", help="base model: a local folder or a hub id")
+        parser.add_argument("--config", help="the model's config.json, when --model is a hub id not downloaded "
+                                             "here: the plan is fitted to the GPU memory with it")
         parser.add_argument("--gpu-memory", help="GPU memory per device, e.g. 24GB (0 for CPU only)")
         parser.add_argument("--data", help="training data file (JSON, JSON Lines)")
         parser.add_argument("--kind", choices=KINDS, help="what the data holds")
@@ -232,8 +349,18 @@ class InitCommand(Command):
             model = os.path.relpath(Path(model).resolve(), out.resolve().parent)
         answers = Answers(model=model, gpu_memory_gb=gb, data=data_ref, kind=values["kind"], rows=rows,
                           goal=values["goal"], kl=kl, name=args.name or out.stem)
-        out.write_text(write_plan(answers), encoding="utf-8")
-        print(f"wrote {out}: {method(gb)[0]}, {rows:,} rows; check it with: ftcore validate {out}")
+        if args.config is not None and not Path(args.config).is_file():
+            raise FtcoreError(f"init: --config: no such file: {args.config}")
+        choice = fit(answers, out, Path(args.config) if args.config else None) if gb > 0 else None
+        out.write_text(write_plan(answers, choice), encoding="utf-8")
+        if choice is not None:
+            print(f"wrote {out}: {choice.method}, batch {choice.batch} x {choice.max_length} tokens (accumulating "
+                  f"{choice.accumulation}), checkpointing {'on' if choice.checkpointing else 'off'}, fitted to "
+                  f"{gb:g} GB by ftcore estimate; {rows:,} rows; check it with: ftcore validate {out}")
+        else:
+            why = "CPU only" if gb == 0 else "the model's config is not at hand (give a local folder or --config)"
+            print(f"wrote {out}: {method(gb)[0]}, {rows:,} rows, not fitted ({why}); check it with: "
+                  f"ftcore validate {out} and ftcore estimate {out}")
         return 0
 
 

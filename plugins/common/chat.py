@@ -52,6 +52,15 @@ def prompt_rows(data: Any, stage: str, trainer: str, label: str = "") -> Any:
     return data
 
 
+def chosen_as_chat(data: Any, side: str = "chosen") -> Any:
+    """Preference pairs as chat rows: prompt + chosen (or ``side``) as one conversation. SFT trains
+    on the chosen answers this way (the usual first stage of SFT -> reward model -> PPO)."""
+    if data is None or not {"prompt", side} <= set(data.column_names) or \
+            not isinstance(next(iter(data))["prompt"], list):
+        return data
+    return data.map(lambda row: {"messages": row["prompt"] + row[side]}, remove_columns=data.column_names)
+
+
 def prompt_text(row: dict, tokenizer: Any, template: Any) -> str:
     """A row's prompt as text: its conversation without the last assistant turn (the reference
     answer), rendered with the template's generation prompt; a string prompt as it is; "" if none."""

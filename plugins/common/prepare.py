@@ -134,6 +134,25 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
     return Prepared(load_shards(folder), stats, False, key)
 
 
+def is_stream(rows: Any) -> bool:
+    """A 🤗 ``IterableDataset`` (a source with ``streaming = true``)."""
+    import datasets
+
+    return isinstance(rows, datasets.IterableDataset)
+
+
+def stream_tokenized(rows: Any, tokenizer: Any, template: Any, **encoding: Any) -> Any:
+    """Streamed rows tokenized as training reads them, a batch at a time, as :func:`prepare` does
+    (the same ``encode``): nothing is cached, and nothing but the batch is held."""
+    def batch(columns: dict[str, list], indices: list[int]) -> dict[str, list]:
+        chunk = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        out, _ = encode(chunk, tokenizer, template, first_row=indices[0] if indices else 0, **encoding)
+        return out
+
+    return rows.map(batch, batched=True, batch_size=1000, with_indices=True, remove_columns=list(rows.column_names),
+                    features=tokenized_features())
+
+
 def load_entry(folder: Path) -> tuple[Any, dict] | None:
     """A finished cache entry's dataset (memory-mapped) and stats, or None (absent or damaged)."""
     if not (folder / "stats.json").exists():

@@ -94,22 +94,67 @@ def _shingles(text: str, n: int = 3) -> set[bytes]:
     return {" ".join(words[i:i + n]).encode() for i in range(len(words) - n + 1)}
 
 
-def near_duplicates(texts: list[str], threshold: float, seed: int = 1, num_perm: int = 128) -> set[int]:
-    """Indices to drop: each row whose estimated Jaccard similarity to an earlier kept
-    row is at least ``threshold`` (datasketch MinHash + LSH)."""
-    from datasketch import MinHash, MinHashLSH
-
-    lsh = MinHashLSH(threshold=threshold, num_perm=num_perm)
-    drop = set()
-    for i, h in enumerate(MinHash.generator((_shingles(t) for t in texts), num_perm=num_perm, seed=seed)):
-        if lsh.query(h):
-            drop.add(i)
-        else:
-            lsh.insert(i, h)
-    return drop
+EXACT_BYTES_PER_ROW = 160  # exact dedup's digest set and kept indices, measured at 1M rows (RESULTS.md)
 
 
-def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: str) -> dict[str, Any]:
+class NearDuplicates:
+    """MinHash LSH (datasketch) over rows as they come: a row is a near-duplicate when its
+    estimated Jaccard similarity to an earlier kept row is at least ``threshold``.
+
+    Memory: the index keeps each kept row's band hashes, about ``BYTES_PER_ROW`` bytes a row
+    (measured: benchmarks/dedup_memory.py), so it grows with the corpus; nothing else is held."""
+
+    BYTES_PER_ROW = 5_350  # measured at 1M rows (5,332), 128 permutations, threshold 0.7 (RESULTS.md)
+
+    def __init__(self, threshold: float, seed: int = 1, num_perm: int = 128):
+        from datasketch import MinHashLSH
+
+        self.lsh, self.seed, self.num_perm, self.size = MinHashLSH(threshold=threshold, num_perm=num_perm), seed, \
+            num_perm, 0
+
+    def new(self, texts: list[str]) -> list[bool]:
+        """For each text in order: True when it is not a near-duplicate of one kept before (it is kept)."""
+        from datasketch import MinHash
+
+        out = []
+        for h in MinHash.generator((_shingles(t) for t in texts), num_perm=self.num_perm, seed=self.seed):
+            if self.lsh.query(h):
+                out.append(False)
+                continue
+            self.lsh.insert(self.size, h)
+            self.size += 1
+            out.append(True)
+        return out
+
+
+def filtered_out(row: dict, o: QualityOptions) -> str | None:
+    """Why the row-by-row filters drop ``row`` ("empty", "too_short", "too_long", "non_text"), or None."""
+    text = content_text(row)
+    stripped = text.strip()
+    if len(stripped) < o.min_chars:
+        return "empty" if not stripped else "too_short"
+    if o.max_chars is not None and len(text) > o.max_chars:
+        return "too_long"
+    if o.drop_non_text and not looks_like_text(stripped):
+        return "non_text"
+    return None
+
+
+def memory_warning(rows: int, per_row: int, where: str) -> str | None:
+    """Why near dedup of ``rows`` rows may not fit: its index would take over half the memory
+    available now. None when it fits."""
+    from ftcore import memory
+
+    need, available = rows * per_row, memory.available_bytes()
+    if not available or need <= available / 2:
+        return None
+    return (f"{where}: near dedup of {rows:,} rows holds about {need / 2**30:.1f} GiB of MinHash bands in memory "
+            f"({per_row:,} bytes a row) and {available / 2**30:.1f} GiB is available; dedup the corpus in parts, "
+            f"or use dedup = \"exact\" (about {EXACT_BYTES_PER_ROW} bytes a row)")
+
+
+def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: str,
+                    warn: Any = None) -> dict[str, Any]:
     """Filter, dedup and split a dataset. Returns ``{"train": ds}`` or
     ``{"train": ds, "validation": ds}``; adds counts to ``stats``.
 
@@ -119,21 +164,17 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
     dropped: dict[str, int] = defaultdict(int)
     seen: set[bytes] = set()
     duplicates = 0  # found but kept, with dedup = "none"
-    near_texts: list[str] = []
+    near = NearDuplicates(o.near_threshold, seed=o.seed) if o.dedup == "near" else None
+    if near is not None and warn is not None and (message := memory_warning(len(data), near.BYTES_PER_ROW, where)):
+        warn(message)
     offset = 0
     for batch in data.iter(batch_size=10_000):
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        candidates: list[tuple[int, str]] = []
         for i, row in enumerate(rows, offset):
-            text = content_text(row)
-            stripped = text.strip()
-            if len(stripped) < o.min_chars:
-                dropped["empty" if not stripped else "too_short"] += 1
-                continue
-            if o.max_chars is not None and len(text) > o.max_chars:
-                dropped["too_long"] += 1
-                continue
-            if o.drop_non_text and not looks_like_text(stripped):
-                dropped["non_text"] += 1
+            reason = filtered_out(row, o)
+            if reason is not None:
+                dropped[reason] += 1
                 continue
             normal = normalized_text(row)
             digest = hashlib.blake2b(normal.encode(), digest_size=16).digest()
@@ -143,14 +184,16 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
                     continue
                 duplicates += 1
             seen.add(digest)
-            keep.append(i)
-            if o.dedup == "near":
-                near_texts.append(normal)
+            candidates.append((i, normal))
+        if near is None:
+            keep.extend(i for i, _ in candidates)
+        else:  # one batch's texts at a time: the index holds hashes, never the corpus's text
+            for (i, _), new in zip(candidates, near.new([t for _, t in candidates])):
+                if new:
+                    keep.append(i)
+                else:
+                    dropped["near_duplicate"] += 1
         offset += len(rows)
-    if o.dedup == "near" and keep:
-        near = near_duplicates(near_texts, o.near_threshold, seed=o.seed)
-        dropped["near_duplicate"] += len(near)
-        keep = [i for j, i in enumerate(keep) if j not in near]
     stats.update({f"dropped_{k}": v for k, v in dropped.items()})
     if duplicates:
         stats["duplicates_kept"] = duplicates

@@ -119,6 +119,9 @@ class RowOptions(QualityOptions):
 
 class FileOptions(RowOptions):
     path: Paths
+    # Read the files as they train (a 🤗 IterableDataset), never prepared as a whole: for corpora
+    # that should not be. The stage needs max_steps; dedup and validation splits need the whole data.
+    streaming: bool = False
 
 
 # -- units -----------------------------------------------------------------------------------------
@@ -195,7 +198,7 @@ class RowSource(Component):
             data = self._load(ctx)
         if not isinstance(self.options, QualityOptions):
             return data
-        parts = clean_and_split(data, self.options, self.stats, f"data.{ctx.name}")
+        parts = clean_and_split(data, self.options, self.stats, f"data.{ctx.name}", warn=ctx.reporter.warn)
         dropped = {k[len("dropped_"):]: v for k, v in self.stats.items() if k.startswith("dropped_") and v}
         if dropped:
             ctx.reporter.info(f"data [bold]{ctx.name}[/]: dropped " + ", ".join(
@@ -391,12 +394,94 @@ class RowSource(Component):
 
 
 class FileSource(RowSource):
-    """Base for sources that read files: ``path`` is a file, a glob or a list of them."""
+    """Base for sources that read files: ``path`` is a file, a glob or a list of them.
+
+    A source that sets ``stream_builder`` (the 🤗 datasets builder that reads its files, with
+    ``stream_kwargs(path)``) can stream: ``streaming = true``."""
 
     Options = FileOptions
+    stream_builder: str | None = None
 
     def inputs(self) -> list[Path]:
         return list(self.options.path)
+
+    def check(self, plan: Any) -> list[str]:
+        return streaming_problems(self, plan) if getattr(self.options, "streaming", False) else []
+
+    def load(self, ctx: Any) -> Any:
+        if getattr(self.options, "streaming", False):
+            with _quiet_datasets():
+                return self._stream(ctx)
+        return super().load(ctx)
+
+    def stream_kwargs(self, path: Path) -> dict[str, Any]:
+        """Further ``datasets.load_dataset`` arguments for streaming ``path``."""
+        return {}
+
+    def _stream(self, ctx: Any) -> Any:
+        """The files as a 🤗 ``IterableDataset`` in the internal schema: converted, checked and
+        filtered batch by batch as training reads them. A bad row stops training with the row's
+        number (or, with ``on_error = "skip"``, is counted in the log and skipped)."""
+        import datasets
+
+        from ftcore_plugins.data._quality import filtered_out
+
+        o, prefix = self.options, f"data.{ctx.name}"
+        files = list(o.path)
+        shown = _shown(files[0], ctx) if len(files) == 1 else f"{len(files)} files"
+        for path in files:
+            if path.stat().st_size == 0:
+                raise FtcoreError(f"{prefix}: {_shown(path, ctx)}: empty file")
+        raw = datasets.load_dataset(self.stream_builder, data_files=[str(f) for f in files], split="train",
+                                    streaming=True, **self.stream_kwargs(files[0]))
+        try:
+            first = next(iter(raw), None)
+        except Exception as exc:  # the builder cannot parse the start of the file
+            raise FtcoreError(f"{prefix}: {shown}: cannot read it as {self.name}: {_first_line(exc)}") from None
+        if first is None:
+            raise FtcoreError(f"{prefix}: {shown}: no rows (an empty file?)")
+        fmt, columns, strings = self._fixed_format(), dict(o.columns), self.stream_builder == "csv"
+        try:
+            kind = F.convert(first, fmt, columns=columns, strings=strings, placeholders="allow")[1]
+        except F.RowError as exc:
+            raise FtcoreError(f"{prefix}: {shown}: row 1: {_one_line(str(exc))}") from None
+        skipped: Counter = Counter()
+
+        def convert(batch: dict, indices: list[int]) -> dict:
+            out = F.convert_batch(batch, fmt=fmt, kind=kind, columns=columns, strings=strings, placeholders="allow")
+            errors = out.pop(F.ERROR_COLUMN)
+            out.pop(F.FORMAT_COLUMN)
+            keep = []
+            for j, error in enumerate(errors):
+                if error is not None:
+                    err = F.RowError.decode(error)
+                    if o.on_error == "error" and err.reason not in F.ALWAYS_SKIP:
+                        raise FtcoreError(f"{prefix}: {shown}: row {indices[j] + 1}: {_one_line(str(err))} "
+                                          "(fix the row, or set on_error = \"skip\")")
+                    skipped[err.reason] += 1
+                    continue
+                reason = filtered_out({c: out[c][j] for c in out}, o)
+                if reason is not None:
+                    skipped[reason] += 1
+                    continue
+                keep.append(j)
+            if skipped:
+                log.info("%s: skipped so far: %s", prefix, dict(skipped))
+            kept = {c: [v[j] for j in keep] for c, v in out.items()}
+            for name in o.keep:
+                kept[name] = [batch[name][j] for j in keep]
+            return kept
+
+        feats = datasets.Features({**F.features(kind), **{k: raw.features[k] for k in o.keep}}) \
+            if raw.features is not None else datasets.Features(F.features(kind))
+        rows = raw.map(convert, batched=True, batch_size=MAP_BATCH, with_indices=True,
+                       remove_columns=list(raw.column_names or first), features=feats)
+        if o.limit is not None:
+            rows = rows.take(o.limit)
+        self.stats = {"source": self.name, "kind": kind, "streaming": True,
+                      "files": [{"path": _shown(f, ctx)} for f in files]}
+        ctx.reporter.info(f"data [bold]{ctx.name}[/]: streaming {kind.replace('_', ' ')} rows from {shown}")
+        return rows
 
     def _read(self, path: Path, ctx: Any) -> Unit:
         raise NotImplementedError
@@ -417,6 +502,29 @@ class FileSource(RowSource):
 
 
 # -- helpers ------------------------------------------------------------------------------------------
+
+def streaming_problems(source: Any, plan: Any) -> list[str]:
+    """What ``streaming = true`` cannot do, for the plan's ``[data.*]`` entry of ``source``."""
+    o = source.options
+    name = next((n for n, sel in plan.data.items() if sel.options is o), None)
+    problems = []
+    if source.stream_builder is None:
+        problems.append(f"streaming: source '{source.name}' cannot stream; jsonl, json, csv and parquet can")
+    if o.dedup != "none":
+        problems.append("dedup: needs the whole data at once, which streaming never holds; set streaming = false "
+                        "(the data is then prepared once, in shards on disk), or dedup the files beforehand")
+    if o.validation is not None:
+        problems.append("validation: a streaming source has no held-out split; give the stage an eval_data "
+                        "that does not stream")
+    users = [f"stage '{s.name}' eval_data" for s in plan.stages if s.eval_data and s.eval_data.split(":")[0] == name]
+    users += [f"evaluation '{e.name}'" for e in plan.evaluations if e.data and e.data.split(":")[0] == name]
+    users += [f"data.{n} (a mix)" for n, sel in plan.data.items()
+              if name in {str(r).split(":")[0] for r in (getattr(sel.options, "sources", None) or {})}]
+    if users:
+        problems.append(f"streaming: only a stage's training data can stream; {', '.join(users)} reads it "
+                        "whole: give it data that does not stream")
+    return problems
+
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:

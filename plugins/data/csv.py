@@ -23,8 +23,17 @@ class CsvSource(FileSource):
 
     name = "csv"
 
+    stream_builder = "csv"
+
     class Options(FileOptions):
         delimiter: Annotated[str, Field(min_length=1, max_length=1)] = ","
+
+    def stream_kwargs(self, path):
+        import datasets
+
+        header = csv_header(path, self.options.delimiter) or []
+        return {"sep": self.options.delimiter,
+                "features": datasets.Features({h: datasets.Value("string") for h in header})}
 
     def _read(self, path, ctx):
         import datasets

@@ -30,6 +30,7 @@ class JsonSource(FileSource):
     """JSON arrays or JSON Lines files, any row format."""
 
     name = "json"
+    stream_builder = "json"
 
     def _read(self, path, ctx):
         return read_json(path, _shown(path, ctx), self.options.on_error == "skip")

@@ -12,6 +12,7 @@ class JsonlSource(FileSource):
     """JSON Lines (or JSON array) files, any row format; the same reader as json."""
 
     name = "jsonl"
+    stream_builder = "json"
 
     def _read(self, path, ctx):
         return read_json(path, _shown(path, ctx), self.options.on_error == "skip")

@@ -12,6 +12,7 @@ class ParquetSource(FileSource):
     """Parquet files, any row format (nested message lists included)."""
 
     name = "parquet"
+    stream_builder = "parquet"
 
     def _read(self, path, ctx):
         import datasets

@@ -82,6 +82,7 @@ class GgufExporter(Component):
     """GGUF files for llama.cpp, one per type (f16, q8_0, ...), with the tokenizer and chat template."""
 
     name = "gguf"
+    merges = True  # runs after the exports that need the adapter model, and merges it in place
 
     class Options(Options):
         types: list[GgufType] = Field(default=["f16", "q8_0"], min_length=1)  # type: ignore[valid-type]
@@ -117,10 +118,10 @@ class GgufExporter(Component):
         inputs = verification_inputs(ctx)
         expected = logits(model, inputs)
         verification = {f"merge {k}": v for k, v in merge.items()}
+        targets = {t: ctx.path / f"{stem}-{t}.gguf" for t in self.options.types}
         with tempfile.TemporaryDirectory() as tmp:
             ctx.tokenizer.save_pretrained(tmp)
-            for gguf_type in self.options.types:
-                target = ctx.path / f"{stem}-{gguf_type}.gguf"
+            for gguf_type, target in targets.items():
                 if gguf_type in PYTHON_TYPES:
                     self._write(target, gguf_type, config, state, ctx.tokenizer, Path(tmp), stem)
                 else:
@@ -130,9 +131,15 @@ class GgufExporter(Component):
                     if not source.exists():
                         self._write(source, "f16", config, state, ctx.tokenizer, Path(tmp), stem)
                     llama_cpp_quantize(source, target, gguf_type)
+                ctx.reporter.info(f"gguf: wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB)")
+            if ctx.consume and ctx.last and ctx.release_model is not None:
+                # The files are written and the expected logits known: the model can go before
+                # each file is read back as a second model.
+                model = state = ctx.model = ctx.merged = None
+                ctx.release_model()
+            for gguf_type, target in targets.items():
                 verification.update(self.verify(target, gguf_type, inputs, expected))
                 verification[f"{gguf_type} bytes"] = target.stat().st_size
-                ctx.reporter.info(f"gguf: wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB)")
         ctx.reporter.log(f"export:{ctx.name}", {k: v for k, v in verification.items() if isinstance(v, (int, float))})
         write_card(ctx.path, ctx, title="GGUF model", library="gguf", tags=["gguf", "llama.cpp"],
                    usage=USAGE.format(file=card_path(ctx, final_path(ctx) / f"{stem}-{self.options.types[-1]}.gguf")),
@@ -165,7 +172,9 @@ class GgufExporter(Component):
         import gguf
 
         arch = ARCHITECTURES[config.model_type]
-        writer = gguf.GGUFWriter(path, arch)
+        # Tensors go to a temporary file as they are made (in memory up to 256 MiB, then on disk),
+        # not held until the header is written: no further copy of the model in memory.
+        writer = gguf.GGUFWriter(path, arch, use_temp_file=True)
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(name)
         add_hyperparameters(writer, config, arch, file_type(gguf_type))

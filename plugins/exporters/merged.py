@@ -53,6 +53,7 @@ class MergedExporter(Component):
 
     name = "merged"
     Options = MergedOptions
+    merges = True  # runs after the exports that need the adapter model, and merges it in place
 
     def export(self, ctx):
         merged, verification = merge_verified(ctx, self.options.dtype, self.options.tolerance, self.name)
@@ -65,10 +66,15 @@ class MergedExporter(Component):
 
 
 def merge_verified(ctx, dtype: str, tolerance: float | None, exporter: str) -> tuple[Any, dict[str, Any]]:
-    """The final model with its adapter folded into a copy (``ctx.model`` is left as it is), and the
-    verification record; raises a one-line FtcoreError when the merge is outside ``tolerance``. The
-    merge is checked in the model's own dtype; a cast to ``dtype`` after it is recorded, not checked.
-    Without a peft adapter and a cast, the model returned is ``ctx.model`` itself."""
+    """The final model with its adapter folded in, and the verification record; raises a one-line
+    FtcoreError when the merge is outside ``tolerance``. The merge is checked in the model's own
+    dtype; a cast to ``dtype`` after it is recorded, not checked.
+
+    Where the run gives the model up (``ctx.consume``), the adapter is merged in place, and the
+    merged model is handed on (``ctx.merged``): one copy of the model, never two. Otherwise it is
+    merged into a copy and ``ctx.model`` is left as it is. A QLoRA adapter is merged into the base
+    reloaded at full precision; given up, the 4-bit model is dropped before that load. Without a
+    peft adapter and a cast, the model returned is ``ctx.model`` itself."""
     import torch
 
     inputs = verification_inputs(ctx)
@@ -82,8 +88,10 @@ def merge_verified(ctx, dtype: str, tolerance: float | None, exporter: str) -> t
         record["reference"] = "the trained adapter on the full-precision base"
     else:
         reference_logits = live_logits
-        merged = ctx.adapter.merge(copy.deepcopy(ctx.model)) if peft else ctx.model
+        merged = ctx.adapter.merge(ctx.model if ctx.consume else copy.deepcopy(ctx.model)) if peft else ctx.model
         record["reference"] = "the trained adapter model" if peft else "the trained model"
+    if ctx.consume:
+        ctx.model = ctx.merged = merged
     merged_logits = logits(merged, inputs)
     merged_dtype = str(next(merged.parameters()).dtype).removeprefix("torch.")
     limit = tolerance if tolerance is not None else TOLERANCES.get(merged_dtype, TOLERANCES["float32"])
@@ -93,7 +101,8 @@ def merge_verified(ctx, dtype: str, tolerance: float | None, exporter: str) -> t
         # Information: the 4-bit model trained differs from the full-precision one by its quantization error.
         record["max_abs_logit_diff_vs_quantized_adapter"] = max_abs_diff(merged_logits, live_logits)
     if diff <= limit and dtype not in ("auto", merged_dtype):
-        merged = (merged if merged is not ctx.model else copy.deepcopy(merged)).to(getattr(torch, dtype))
+        # A copy when the merged model is the live one (later exports get it as it is); else cast in place.
+        merged = (copy.deepcopy(merged) if merged is ctx.model else merged).to(getattr(torch, dtype))
         # Information: what the requested precision costs, beyond the merge.
         record["dtype"] = dtype
         record["max_abs_logit_diff_after_cast"] = max_abs_diff(logits(merged, inputs), reference_logits)
@@ -107,15 +116,21 @@ def merge_verified(ctx, dtype: str, tolerance: float | None, exporter: str) -> t
 
 
 def adapter_on_full_precision(ctx) -> Any:
-    """The live peft adapter's trained weights on the base rebuilt at full precision."""
+    """The live peft adapter's trained weights on the base rebuilt at full precision. Where the run
+    gives the model up (``ctx.consume``), the quantized model is dropped before the base is loaded."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
     if ctx.load_full_precision_base is None:
         raise FtcoreError("the model is quantized and this run cannot rebuild its full-precision base to merge into")
     live = ctx.model
     name = live.active_adapter
-    model = get_peft_model(ctx.load_full_precision_base(), copy.deepcopy(live.peft_config[name]), adapter_name=name)
-    loaded = set_peft_model_state_dict(model, get_peft_model_state_dict(live, adapter_name=name), adapter_name=name)
+    config = copy.deepcopy(live.peft_config[name])
+    weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(live, adapter_name=name).items()}
+    if ctx.consume and ctx.release_model is not None:
+        live = ctx.model = None
+        ctx.release_model()
+    model = get_peft_model(ctx.load_full_precision_base(), config, adapter_name=name)
+    loaded = set_peft_model_state_dict(model, weights, adapter_name=name)
     if loaded.unexpected_keys:
         raise FtcoreError(f"the trained adapter does not fit the full-precision base: {loaded.unexpected_keys[0]}")
     return model

@@ -55,6 +55,7 @@ class OnnxExporter(Component):
 
     name = "onnx"
     Options = OnnxOptions
+    merges = True  # runs after the exports that need the adapter model, and merges it in place
 
     def check(self, plan) -> list[str]:
         absent = [m for m in MODULES if importlib.util.find_spec(m) is None]

@@ -37,21 +37,32 @@ class HFModelLoader(Component):
         return [p for p in [attention_problem(self.options.attn_implementation)] if p]
 
     def load(self, ctx):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         o = self.options
-        common = {"revision": o.revision, "trust_remote_code": o.trust_remote_code,
-                  "token": o.token.get_secret_value() if o.token else None}
-        tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path,
-                               **common)
+        tokenizer = self.load_tokenizer(ctx)
         kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
         if o.attn_implementation:
             kwargs["attn_implementation"] = o.attn_implementation
-        model = self._load("path", AutoModelForCausalLM, o.path, **common, **kwargs)
+        model = self._load("path", AutoModelForCausalLM, o.path, **self._common(), **kwargs)
+        return model, tokenizer
+
+    def load_tokenizer(self, ctx):
+        """The tokenizer alone (``ftcore prepare`` reads no weights)."""
+        from transformers import AutoTokenizer
+
+        o = self.options
+        tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path,
+                               **self._common())
         if tokenizer.pad_token is None:
             # Labels are built from spans, not from the pad mask, so pad == eos is safe here.
             tokenizer.pad_token = tokenizer.eos_token
-        return model, tokenizer
+        return tokenizer
+
+    def _common(self) -> dict:
+        o = self.options
+        return {"revision": o.revision, "trust_remote_code": o.trust_remote_code,
+                "token": o.token.get_secret_value() if o.token else None}
 
     @staticmethod
     def _load(key: str, cls: type, where: str, **kwargs):

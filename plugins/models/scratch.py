@@ -51,7 +51,24 @@ class ScratchModelLoader(Component):
 
     def load(self, ctx):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        o = self.options
+        tokenizer = self.load_tokenizer(ctx)
+        config = self.model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(ctx.seed)
+        extra = {"attn_implementation": o.attn_implementation} if o.attn_implementation else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+        n = sum(p.numel() for p in model.parameters())
+        ctx.reporter.info(f"scratch model: {o.architecture}, {o.num_layers} layers, hidden {o.hidden_size}, "
+                          f"{n:,} parameters, vocabulary {len(tokenizer):,}")
+        return model, tokenizer
+
+    def load_tokenizer(self, ctx):
+        """The tokenizer alone: the plan's folder, or trained on ``tokenizer_data`` (saved in the
+        loader's work folder, where a resumed run finds it again)."""
+        from transformers import AutoTokenizer
 
         o = self.options
         if o.tokenizer is not None:
@@ -66,15 +83,7 @@ class ScratchModelLoader(Component):
                     tokenizer.save_pretrained(saved)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        config = self.model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        torch.manual_seed(ctx.seed)
-        extra = {"attn_implementation": o.attn_implementation} if o.attn_implementation else {}
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
-        n = sum(p.numel() for p in model.parameters())
-        ctx.reporter.info(f"scratch model: {o.architecture}, {o.num_layers} layers, hidden {o.hidden_size}, "
-                          f"{n:,} parameters, vocabulary {len(tokenizer):,}")
-        return model, tokenizer
+        return tokenizer
 
     def _train_tokenizer(self, ctx):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -71,6 +71,14 @@ def training_problems(component: Any, plan: Any) -> list[str]:
         problem = optimizer_problem(o.optimizer, adapter=stage.adapter.name)
         if problem and problem not in problems:
             problems.append(problem)
+        source = plan.data.get(str(stage.data).split(":")[0])
+        if source is not None and getattr(source.options, "streaming", False):
+            if not getattr(component, "streams", False):
+                problems.append(f"data: stage '{stage.name}' trains on data.{stage.data}, which streams, and trainer "
+                                f"'{stage.trainer.name}' cannot train from a stream; set streaming = false there")
+            elif o.max_steps <= 0:
+                problems.append(f"max_steps: stage '{stage.name}' trains on data.{stage.data}, which streams and so "
+                                "has no length to count epochs by; set max_steps")
         if stage.eval_data is not None:
             continue
         for key in ("eval_steps", "early_stopping_patience"):
@@ -458,7 +466,7 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
     ``batch_size`` rows carry and, with ``packing``, how packing into ``packed_length`` blocks fills them."""
     from ftcore.errors import FtcoreError
 
-    from ftcore_plugins.common.prepare import packing_report, prepare
+    from ftcore_plugins.common.prepare import is_stream, packing_report, prepare, stream_tokenized
 
     out, shown = [], []
     for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):
@@ -466,6 +474,13 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
             out.append(None)
             continue
         where, on_error = data_origin(ctx, label)
+        if is_stream(rows):
+            out.append(stream_tokenized(rows, ctx.tokenizer, ctx.template, max_length=max_length,
+                                        truncation=truncation, train_on_inputs=train_on_inputs, on_error=on_error,
+                                        where=where))
+            ctx.reporter.info(f"stage [bold]{ctx.stage}[/] {label} data streams: tokenized as training reads it, "
+                              "not cached")
+            continue
         prepared = prepare(rows, ctx.tokenizer, ctx.template, max_length=max_length, truncation=truncation,
                            train_on_inputs=train_on_inputs, reporter=ctx.reporter,
                            description=f"tokenize {label}", on_error=on_error, where=where)
@@ -483,7 +498,9 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
             raise FtcoreError(f"{where}: no {label} sample of stage {ctx.stage} is left with a token to learn "
                               f"after masking and max_length={max_length} ({truncation}); see data_report.json")
         out.append(prepared.dataset)
-    ctx.reporter.table(f"data for stage {ctx.stage} (data_report.json has more)",
-                       ["split", "rows", "kept", "trunc.", "dropped", "tokens", "trained", "length", "cache"],
-                       shown)
+    if shown:
+        more = " (data_report.json has more)" if ctx.reporter.metrics_path else ""
+        ctx.reporter.table(f"data for stage {ctx.stage}{more}",
+                           ["split", "rows", "kept", "trunc.", "dropped", "tokens", "trained", "length", "cache"],
+                           shown)
     return out[0], out[1]

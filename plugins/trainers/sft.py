@@ -15,7 +15,9 @@ import ftcore
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.chat import chosen_as_chat
 from ftcore_plugins.common.estimate import TrainerMemory
+from ftcore_plugins.common.prepare import is_stream
 from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.trainers._packing import per_sample_sdpa
@@ -35,6 +37,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
 
     name = "sft"
     Options = SFTOptions
+    streams = True  # trains from a streaming source (tokenized as it reads, max_steps required)
 
     # Override point: set to a method ``compute_loss(self, outputs, labels, num_items_in_batch=None)``
     # to replace the loss. ``outputs`` is the model's output (``outputs.logits``: batch x length x
@@ -140,20 +143,10 @@ def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
     return CustomLoss
 
 
-def chosen_as_chat(data):
-    """Preference pairs train SFT on their chosen answers: prompt + chosen as one chat
-    (the usual first stage of SFT -> reward model -> PPO)."""
-    if data is None or not {"prompt", "chosen"} <= set(data.column_names) or \
-            not isinstance(data[0]["prompt"], list):
-        return data
-    return data.map(lambda row: {"messages": row["prompt"] + row["chosen"]},
-                    remove_columns=data.column_names)
-
-
 def unanswered(rows: Any, where: str, trainer: str) -> None:
     """Refuse chat rows with no assistant turn: the data layer keeps them (generating trainers and
     evaluators take prompts alone), but trained on assistant turns only, they teach nothing."""
-    if rows is None:
+    if rows is None or is_stream(rows):  # a stream is not read ahead: such rows are dropped as they come (nothing to learn)
         return
     index = 0
     for batch in rows.select_columns(["messages"]).iter(batch_size=1000):

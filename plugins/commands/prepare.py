@@ -1,0 +1,47 @@
+"""``ftcore prepare``: only the data preparation of a plan, into the tokenized-data cache."""
+
+from __future__ import annotations
+
+import argparse
+
+import ftcore
+from ftcore.command import Command
+
+
+class PrepareCommand(Command):
+    """Tokenize a plan's data into the cache, without training.
+
+    Runs each stage's data preparation (rendering, tokenization, labels, length limits, the
+    packing report) into the tokenized-data cache that runs share (FTCORE_CACHE_DIR), with a
+    progress bar, so that `ftcore run` (or a cluster job) starts from a ready cache: axolotl's
+    `preprocess`. It reads the tokenizer and the model's config, never its weights, and writes
+    nothing in the run folder. A preparation that is killed resumes from its finished shards.
+    """
+
+    name = "prepare"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("plan", help="the plan (TOML)")
+        parser.add_argument("--stage", action="append", metavar="NAME",
+                            help="only this stage's data (repeat for several)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from rich.console import Console
+
+        from ftcore.cache import cache_dir
+        from ftcore.reporter import quiet_libraries
+
+        quiet_libraries(verbose=args.debug)
+        from ftcore.runner import Runner
+
+        plan, pm = self.load_plan(args.plan)
+        console = Console()
+        for stage, outcome in Runner(plan, pm, console).prepare_data(args.stage):
+            console.print(f"stage [bold]{stage}[/]: {outcome}", highlight=False)
+        console.print(f"cache: {cache_dir() / 'tokenized'}", highlight=False)
+        return 0
+
+
+@ftcore.hookimpl
+def register_commands(register):
+    register(PrepareCommand)

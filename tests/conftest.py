@@ -21,6 +21,25 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
 
 
+# The suite runs in two pytest-xdist workers (the README's command). Each worker, and the ftcore processes
+# it starts, gets one thread: two workers of two threads each on 2 cores would fight over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Tests that must not run beside each other: torchrun's fixed rendezvous port, and the example plugin
+# packages that tests pip-install into (and remove from) the one shared environment.
+_SERIAL_GROUPS = {"test_distributed.py": "torchrun",
+                  **dict.fromkeys(("test_plugin_kit.py", "test_grpo.py", "test_plugin_manager.py",
+                                   "test_example_trainer.py", "test_commands.py", "test_report.py"), "site-packages")}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = _SERIAL_GROUPS.get(item.path.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_cache(tmp_path_factory):
     """Tests (and the CLI runs they start) use a cache of their own, never the user's."""

@@ -107,9 +107,10 @@ class EncodeStats:
 
 
 def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bool = False,
-                add_eos_to_text: bool = True,
-                locator: SpanLocator | None = None) -> list[tuple[str, list[tuple[int, int]] | None]]:
+                add_eos_to_text: bool = True, locator: SpanLocator | None = None,
+                eos: str | None = None) -> list[tuple[str, list[tuple[int, int]] | None]]:
     """The samples one row becomes: ``(text, spans to train on)`` pairs (spans None: all of it).
+    ``eos``: what ends a text row, when the caller has it at hand (a batch's rows share it).
     Raises :class:`FtcoreError` (one line) when the row cannot be rendered or its turns located."""
     if row.get("messages"):
         messages, tools = template_messages(row["messages"]), row_tools(row)
@@ -122,7 +123,8 @@ def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bo
             return [locator.locate(messages[:i + 1], tools, turns={i})
                     for i, m in enumerate(messages) if m.get("role") == "assistant"]
         return [locator.locate(messages, tools)]
-    eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
+    if eos is None:
+        eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
     if row.get("completion") is not None and isinstance(row.get("prompt"), str):
         text = row["prompt"] + row["completion"] + eos
         return [(text, None if train_on_inputs else [(len(row["prompt"]), len(text))])]
@@ -194,18 +196,20 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
 
     With ``sink``, each batch's columns go to ``sink(columns)`` as they are made (returned empty):
     memory holds one batch, whatever the number of rows. ``progress.advance(n)`` follows the rows;
-    ``first_row`` is the index of ``rows[0]`` in the whole data, for the messages.
+    ``first_row`` is the index of ``rows[0]`` in the whole data, for the messages. Where every token
+    of a sample is trained, its ``labels`` is its ``input_ids`` list itself: copy it to change one.
 
     A row the template cannot render, or whose turns cannot be located, is an error naming
     ``where``, the row and the template, or with ``on_error = "skip"`` a counted skip."""
     stats = EncodeStats()
     locator = SpanLocator(template, tokenizer)
     template_name = getattr(template, "name", type(template).__name__)
+    eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
 
     def samples(index: int, row: dict) -> list:
         try:
             return row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs,
-                               add_eos_to_text=add_eos_to_text, locator=locator)
+                               add_eos_to_text=add_eos_to_text, locator=locator, eos=eos)
         except FtcoreError as exc:
             if on_error == "skip":
                 stats.skipped_unrenderable += 1
@@ -236,24 +240,27 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
         backend.no_padding()
         backend.no_truncation()
 
-    def tokenize(texts: list[str]) -> list[tuple[list[int], _Offsets]]:
-        if backend is not None:
-            return [(e.ids, _Offsets(encoding=e)) for e in backend.encode_batch(texts, add_special_tokens=False)]
+    def tokenize(texts: list[str], spans: list) -> list[tuple[list[int], _Offsets | None]]:
+        if backend is not None:  # an Encoding is kept only to locate spans: freed here, off the main thread
+            return [(e.ids, None if sp is None else _Offsets(encoding=e))
+                    for e, sp in zip(backend.encode_batch(texts, add_special_tokens=False), spans)]
         enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
         return [(ids, _Offsets(offsets=off)) for ids, off in zip(enc["input_ids"], enc["offset_mapping"])]
 
-    def label(encoded: list[tuple[list[int], _Offsets]], spans: list) -> None:
+    def label(encoded: list[tuple[list[int], _Offsets | None]], spans: list) -> None:
         for (ids, lookup), sp in zip(encoded, spans):
             stats.samples += 1
-            labels = label_spans(ids, sp, lookup)
+            # Every token trained (text rows, train_on_inputs): the labels are the ids' own list, which
+            # the Arrow writer then converts once (see arrow_columns).
+            labels = ids if sp is None else label_spans(ids, sp, lookup)
             if max_length is not None and len(ids) > max_length:
                 if truncation == "drop":
                     stats.dropped_too_long += 1
                     continue
                 keep = slice(None, max_length) if truncation == "truncate_response" else slice(-max_length, None)
-                ids, labels = ids[keep], labels[keep]
+                ids, labels = (ids[keep], labels[keep]) if sp is not None else (ids[keep],) * 2
                 stats.truncated += 1
-            n_labels = len(labels) - labels.count(IGNORE)
+            n_labels = len(ids) if labels is ids else len(labels) - labels.count(IGNORE)
             if n_labels == 0:
                 stats.dropped_no_labels += 1
                 continue
@@ -273,7 +280,7 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
             following = None
             if start is not None:
                 texts, spans, n_rows = render(start)
-                following = (pool.submit(tokenize, texts), spans, n_rows)
+                following = (pool.submit(tokenize, texts, spans), spans, n_rows)
             if queued is not None:
                 label(queued[0].result(), queued[1])
                 if sink is not None and out["input_ids"]:

@@ -195,12 +195,24 @@ def encode_shards(rows: Any, work: Path, encoding: dict, reporter: Any, descript
             written = work / f"{shard:05d}.arrow.tmp"
             with ArrowWriter(features=features, path=str(written)) as writer:
                 _, stats = encode(rows.select(part) if hasattr(rows, "select") else rows[first:part.stop],
-                                  progress=bar, first_row=first, sink=writer.write_batch, **encoding)
+                                  progress=bar, first_row=first,
+                                  sink=lambda columns: writer.write_table(arrow_columns(columns)), **encoding)
                 writer.finalize()
             os.replace(written, work / f"{shard:05d}.arrow")
             np.save(work / f"{shard:05d}.lengths.npy", np.asarray(stats.lengths, dtype=np.int32))
             done.write_text(json.dumps({k: getattr(stats, k) for k in COUNTS}))  # last: the shard is finished
     return merged_stats(work, shards)
+
+
+def arrow_columns(columns: dict[str, list]) -> Any:
+    """A batch of ``encode``'s columns as an Arrow table of :func:`tokenized_features`' types. Labels
+    that are the ids' own lists (every token trained) share the ids' Arrow array: converted once."""
+    import pyarrow as pa
+
+    kind = pa.list_(pa.int32())
+    ids = pa.array(columns["input_ids"], type=kind)
+    same = all(a is b for a, b in zip(columns["input_ids"], columns["labels"]))
+    return pa.table({"input_ids": ids, "labels": ids if same else pa.array(columns["labels"], type=kind)})
 
 
 def merged_stats(work: Path, shards: int) -> dict:

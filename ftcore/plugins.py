@@ -107,6 +107,8 @@ BUILTIN_COMMANDS = (
     "ftcore_plugins.commands.report",
     "ftcore_plugins.commands.cache",
     "ftcore_plugins.commands.prepare",
+    "ftcore_plugins.commands.check",
+    "ftcore_plugins.commands.lr_find",
     "ftcore_plugins.commands.chat",
     "ftcore_plugins.commands.generate",
 )

@@ -170,9 +170,7 @@ class Runner:
         so no weights are read. The reporter writes nothing to the run folder."""
         import tempfile
 
-        if self.reporter is None:
-            self.reporter = Reporter(self.console, None, None, self.info)
-            self.info.reporter = self.reporter
+        self._ensure_reporter()
         loader = self.plan.model.create()
         with tempfile.TemporaryDirectory(prefix="ftcore-data-") as work:
             ctx = LoadContext(self.info, self.reporter, self.quantizer, self.plan.seed, Path(work), self._load_data)
@@ -208,14 +206,19 @@ class Runner:
             if not hasattr(train, "__len__"):  # a streaming source: read as it trains
                 done.append((stage.name, f"data '{stage.data}' streams as the stage trains: nothing to prepare"))
                 continue
-            ctx = StageContext(self.info, self.reporter, stage.name, model, tokenizer, self.template, train,
-                               self._load_data(stage.eval_data) if stage.eval_data else None,
-                               self.stage_dir(stage), self.stage_dir(stage) / "checkpoints", None, self.plan.seed,
-                               adapter=stage.adapter.create())
+            ctx = self.data_context(stage, model, tokenizer)
             with calling(stage.trainer, "prepare_data"):
                 trainer.prepare_data(ctx)
             done.append((stage.name, "prepared"))
         return done
+
+    def data_context(self, stage: Stage, model: Any, tokenizer: Any) -> StageContext:
+        """A stage's context for work on its data outside a run (``ftcore prepare``, ``ftcore check``):
+        its train and eval rows, no checkpoint to resume from; nothing is written in its folders."""
+        return StageContext(self.info, self.reporter, stage.name, model, tokenizer, self.template,
+                            self._load_data(stage.data), self._load_data(stage.eval_data) if stage.eval_data else None,
+                            self.stage_dir(stage), self.stage_dir(stage) / "checkpoints", None, self.plan.seed,
+                            adapter=stage.adapter.create())
 
     def _prepare(self) -> str:
         self._check_exports_free()
@@ -282,23 +285,38 @@ class Runner:
     def _load_base(self) -> tuple[Any, Any]:
         if self._base is not None:
             return self._base
-        plan = self.plan
         with self._step("load"):
-            ctx = LoadContext(self.info, self.reporter, self.quantizer, plan.seed,
-                              self.run_dir / "model", self._load_data)
-            ctx.work_dir.mkdir(parents=True, exist_ok=True)
-            loader = plan.model.create()
-            with calling(plan.model, "load"):
-                model, tokenizer = loader.load(ctx)
-            with calling(plan.quantizer, "prepare"):
-                model = self.quantizer.prepare(model)
-            prepare = getattr(self.template, "prepare", None)
-            if prepare is not None:
-                with calling(plan.template, "prepare"):
-                    model, tokenizer = prepare(model, tokenizer)
-        self._measure("model loaded")
+            work = self.run_dir / "model"
+            work.mkdir(parents=True, exist_ok=True)
+            model, tokenizer = self.load_model(work)
+        if "model loaded" not in self.memory:  # a reload (a QLoRA merge's full-precision base) is its export's
+            self._measure("model loaded")
         self._base = (model, tokenizer)
         return self._base
+
+    def load_model(self, work_dir: Path) -> tuple[Any, Any]:
+        """The plan's model and tokenizer as a run starts from them: loaded, quantized, with the
+        template's tokens added. What the loader writes (a tokenizer it trains) goes in ``work_dir``;
+        outside a run (``ftcore check``, ``ftcore lr-find``) that is a temporary folder."""
+        plan = self.plan
+        self._ensure_reporter()
+        ctx = LoadContext(self.info, self.reporter, self.quantizer, plan.seed, work_dir, self._load_data)
+        loader = plan.model.create()
+        with calling(plan.model, "load"):
+            model, tokenizer = loader.load(ctx)
+        with calling(plan.quantizer, "prepare"):
+            model = self.quantizer.prepare(model)
+        prepare = getattr(self.template, "prepare", None)
+        if prepare is not None:
+            with calling(plan.template, "prepare"):
+                model, tokenizer = prepare(model, tokenizer)
+        return model, tokenizer
+
+    def _ensure_reporter(self) -> None:
+        """Outside a run (no run folder): a reporter that prints and writes nothing."""
+        if self.reporter is None:
+            self.reporter = Reporter(self.console, None, None, self.info)
+            self.info.reporter = self.reporter
 
     def _materialize(self, index: int, output: Path | None = None) -> ModelState:
         """The model as it was after stage ``index`` (-1: the base model), rebuilt from saved outputs;
@@ -319,7 +337,7 @@ class Runner:
                 model = state.adapter.create().merge(model)
         with calling(stage.adapter, "restore"):
             model = stage.adapter.create().restore(model, output or self.stage_dir(stage) / "output",
-                                                       self._adapter_ctx())
+                                                       self.adapter_context())
         self.reporter.info(f"stage [bold]{stage.name}[/] is complete: restored its output")
         return ModelState(model, state.tokenizer, stage.adapter, started)
 
@@ -338,7 +356,7 @@ class Runner:
                 with calling(state.adapter, "merge"):
                     model = state.adapter.create().merge(model)
             with calling(stage.adapter, "apply"):
-                model = stage.adapter.create().apply(model, self._adapter_ctx())
+                model = stage.adapter.create().apply(model, self.adapter_context())
             adapter_from = stage.index
             self._measure(f"{stage.name}: adapter applied")
         resume_from = _last_checkpoint(checkpoints) if self.resume else None
@@ -536,7 +554,7 @@ class Runner:
         while self._trackers:
             self.pm.unregister(name=self._trackers.pop())
 
-    def _adapter_ctx(self) -> AdapterContext:
+    def adapter_context(self) -> AdapterContext:
         return AdapterContext(self.info, self.reporter, self.quantizer)
 
     def _load_data(self, ref: str) -> Any:

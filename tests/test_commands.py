@@ -56,11 +56,13 @@ def test_builtin_commands_are_plugins_and_help_lists_them(tmp_path):
     for name, line in (("init", "write a starter plan"), ("estimate", "predict each stage's peak memory"),
                        ("report", "write a run's report.html"), ("cache", "show or clear the tokenized-data cache"),
                        ("chat", "chat with a run's model"), ("generate", "answer a JSONL file of prompts"),
-                       ("prepare", "tokenize a plan's data into the cache, without training")):
+                       ("prepare", "tokenize a plan's data into the cache, without training"),
+                       ("check", "pre-flight check of a plan's training stages"),
+                       ("lr-find", "learning-rate range test on a stage's data")):
         assert lines_with(r.stdout, name, line), r.stdout
     listing = json.loads(ftcore_cli("plugins", "--json", cwd=tmp_path).stdout)
     by_name = {c["name"]: c for c in listing["commands"]}
-    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare"}
+    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare", "check", "lr-find"}
     assert all(c["dist"] == "ftcore" and c["plugin"].startswith("ftcore_plugins.commands.") for c in by_name.values())
 
 

@@ -294,11 +294,27 @@ def add_tensors(writer, config, arch: str, state: dict[str, Any], qtype) -> None
         # Norms, biases and other 1-D tensors stay f32, as llama.cpp expects.
         tensor_type = qtype if data.ndim > 1 else gguf.GGMLQuantizationType.F32
         try:
-            packed = gguf.quants.quantize(np.ascontiguousarray(data), tensor_type)
+            packed = quantize_rows(data, tensor_type)
         except gguf.QuantError:  # rows not a whole number of blocks
             tensor_type = gguf.GGMLQuantizationType.F16
-            packed = gguf.quants.quantize(np.ascontiguousarray(data), tensor_type)
+            packed = quantize_rows(data, tensor_type)
         writer.add_tensor(name, packed, raw_dtype=tensor_type)
+
+
+QUANTIZE_ELEMENTS = 1 << 22  # elements quantized at once (16 MiB of f32)
+
+
+def quantize_rows(data: Any, tensor_type: Any) -> Any:
+    """``gguf.quants.quantize`` a slab of rows at a time (blocks run along a row, so slabs give the same
+    bytes): its numpy code makes several full-size temporaries, over 1.5 GiB for a 150k-token embedding."""
+    import gguf
+    import numpy as np
+
+    step = max(1, QUANTIZE_ELEMENTS // max(1, data.shape[-1]))
+    if data.ndim < 2 or data.shape[0] <= step:
+        return gguf.quants.quantize(np.ascontiguousarray(data), tensor_type)
+    return np.concatenate([gguf.quants.quantize(np.ascontiguousarray(data[i:i + step]), tensor_type)
+                           for i in range(0, data.shape[0], step)])
 
 
 def llama_cpp_quantize(source: Path, target: Path, gguf_type: str) -> None:

@@ -496,7 +496,8 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
                       f"{stats.get('length_max', 0)}", stats["cache"]])
         if not stats["kept"]:
             raise FtcoreError(f"{where}: no {label} sample of stage {ctx.stage} is left with a token to learn "
-                              f"after masking and max_length={max_length} ({truncation}); see data_report.json")
+                              f"after masking and max_length={max_length} ({truncation})"
+                              + ("; see data_report.json" if ctx.reporter.metrics_path else ""))
         out.append(prepared.dataset)
     if shown:
         more = " (data_report.json has more)" if ctx.reporter.metrics_path else ""

@@ -375,6 +375,7 @@ class Runner:
             memory.reset_peak()
             with calling(stage.trainer, "train"):
                 metrics.update(stage.trainer.create().train(ctx) or {})
+            memory.release()  # what training freed leaves the resident set: later phases start lean
             metrics.update(self._measure(f"{stage.name}: trained"))
             if stage.trains_policy:
                 with calling(stage.adapter, "save"):
@@ -417,15 +418,14 @@ class Runner:
                 self.reporter.log(f"evaluate:{phase}", {f"{ev.name}/{k}": v for k, v in values.items()})
                 metrics.update({f"{ev.name}/{k}": v for k, v in values.items()})
         self.evaluations[phase] = results
+        memory.release()  # an evaluation's logits and activations
         if self.info.is_main:
             rundir.write_json(self.run_dir / "evaluations" / f"{phase}.json", results)
 
     def _release_live(self) -> None:
         """Drop the runner's references to the live model (an exporter that owns it now asks)."""
-        import gc
-
         self._live, self._base = None, None
-        gc.collect()  # the trainers' objects hold it in reference cycles
+        memory.release()  # the trainers' objects hold it in reference cycles; the heap keeps freed pages
 
     def _export(self, export: Any, last: bool) -> None:
         state = self._live

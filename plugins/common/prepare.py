@@ -194,31 +194,14 @@ def encode_shards(rows: Any, work: Path, encoding: dict, reporter: Any, descript
                 continue
             written = work / f"{shard:05d}.arrow.tmp"
             with ArrowWriter(features=features, path=str(written)) as writer:
-                source = remapped(rows).select(part) if hasattr(rows, "select") else rows[first:part.stop]
-                _, stats = encode(source, progress=bar, first_row=first,
+                _, stats = encode(rows.select(part) if hasattr(rows, "select") else rows[first:part.stop],
+                                  progress=bar, first_row=first,
                                   sink=lambda columns: writer.write_table(arrow_columns(columns)), **encoding)
                 writer.finalize()
-                del source  # unmaps the pages of the input this shard read
             os.replace(written, work / f"{shard:05d}.arrow")
             np.save(work / f"{shard:05d}.lengths.npy", np.asarray(stats.lengths, dtype=np.int32))
             done.write_text(json.dumps({k: getattr(stats, k) for k in COUNTS}))  # last: the shard is finished
     return merged_stats(work, shards)
-
-
-def remapped(rows: Any) -> Any:
-    """``rows`` memory-mapped afresh, when its data is in memory-mapped files (such a Dataset pickles as
-    its files' paths, and maps them again when loaded; no data is copied). The pages a shard's pass
-    touches belong to that mapping and leave the process's resident set with it, so the set stays flat
-    however large the corpus; one mapping for the whole pass would keep every page it read."""
-    import pickle
-
-    from datasets.table import ConcatenationTable, MemoryMappedTable
-
-    table = getattr(rows, "data", None)
-    blocks = [b for row in table.blocks for b in row] if isinstance(table, ConcatenationTable) else [table]
-    if not all(isinstance(b, MemoryMappedTable) for b in blocks):
-        return rows  # in memory (pickling would copy it), or not a Dataset
-    return pickle.loads(pickle.dumps(rows))
 
 
 def arrow_columns(columns: dict[str, list]) -> Any:

@@ -13,8 +13,7 @@ def supervised_rows(runner: Any, stage: Any, model: Any, tokenizer: Any) -> Any:
     from ftcore.runner import calling
 
     from ftcore_plugins.common.chat import chosen_as_chat
-    from ftcore_plugins.common.prepare import prepare
-    from ftcore_plugins.trainers._training import data_origin
+    from ftcore_plugins.common.prepare import data_origin, prepare
 
     ctx = runner.data_context(stage, model, tokenizer)
     trainer = stage.trainer.create()

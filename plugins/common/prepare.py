@@ -134,6 +134,23 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
     return Prepared(load_shards(folder), stats, False, key)
 
 
+def data_origin(ctx: Any, label: str) -> tuple[str, str]:
+    """For the stage's ``train`` or ``eval`` rows: how messages name them ("data.chat (chat.jsonl)")
+    and the source's ``on_error``."""
+    plan = getattr(getattr(ctx, "run", None), "plan", None)
+    stage = next((s for s in plan.stages if s.name == ctx.stage), None) if plan is not None else None
+    ref = (stage.data if label == "train" else (stage.eval_data or stage.data)) if stage else None
+    selected = plan.data.get(str(ref).split(":")[0]) if ref else None
+    if selected is None:
+        return f"stage {ctx.stage} {label} data", "error"
+    # The path as the plan writes it (relative to the plan's folder), as the data sources name it.
+    written = ((plan.raw.get("data") or {}).get(selected.key.partition(".")[2]) or {}).get("path")
+    path = written or getattr(selected.options, "path", None)
+    paths = path if isinstance(path, (list, tuple)) else [path] if path else []
+    shown = f"{selected.key} ({', '.join(str(p) for p in paths)})" if paths else selected.key
+    return shown, getattr(selected.options, "on_error", "error")
+
+
 def is_stream(rows: Any) -> bool:
     """A 🤗 ``IterableDataset`` (a source with ``streaming = true``)."""
     import datasets

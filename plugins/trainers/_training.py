@@ -441,23 +441,6 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     return metrics
 
 
-def data_origin(ctx: Any, label: str) -> tuple[str, str]:
-    """For the stage's ``train`` or ``eval`` rows: how messages name them ("data.chat (chat.jsonl)")
-    and the source's ``on_error``."""
-    plan = getattr(getattr(ctx, "run", None), "plan", None)
-    stage = next((s for s in plan.stages if s.name == ctx.stage), None) if plan is not None else None
-    ref = (stage.data if label == "train" else (stage.eval_data or stage.data)) if stage else None
-    selected = plan.data.get(str(ref).split(":")[0]) if ref else None
-    if selected is None:
-        return f"stage {ctx.stage} {label} data", "error"
-    # The path as the plan writes it (relative to the plan's folder), as the data sources name it.
-    written = ((plan.raw.get("data") or {}).get(selected.key.partition(".")[2]) or {}).get("path")
-    path = written or getattr(selected.options, "path", None)
-    paths = path if isinstance(path, (list, tuple)) else [path] if path else []
-    shown = f"{selected.key} ({', '.join(str(p) for p in paths)})" if paths else selected.key
-    return shown, getattr(selected.options, "on_error", "error")
-
-
 def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "truncate_response",
                     train_on_inputs: bool = False, batch_size: int = 8,
                     packed_length: int | None = None, packing: bool = True) -> tuple[Any, Any]:
@@ -466,7 +449,7 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
     ``batch_size`` rows carry and, with ``packing``, how packing into ``packed_length`` blocks fills them."""
     from ftcore.errors import FtcoreError
 
-    from ftcore_plugins.common.prepare import is_stream, packing_report, prepare, stream_tokenized
+    from ftcore_plugins.common.prepare import data_origin, is_stream, packing_report, prepare, stream_tokenized
 
     out, shown = [], []
     for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):

@@ -17,11 +17,11 @@ from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.chat import chosen_as_chat
 from ftcore_plugins.common.estimate import TrainerMemory
-from ftcore_plugins.common.prepare import is_stream
+from ftcore_plugins.common.prepare import data_origin, is_stream
 from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.trainers._packing import per_sample_sdpa
-from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, data_origin, run_trl, tokenize_splits
+from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 
 
 class SFTOptions(TrainOptions, LossOptions):

@@ -25,7 +25,8 @@ def test_the_suggestion_trains_better_than_a_decade_above_and_below(tmp_path):
     # The documented rule: where the smoothed loss falls fastest against log(rate), before its lowest point.
     rates, smooth = result["rates"], result["smoothed"]
     lowest = min(range(len(smooth)), key=smooth.__getitem__)
-    steepest = min(range(1, lowest), key=lambda i: (smooth[i + 1] - smooth[i - 1]) / math.log(rates[i + 1] / rates[i - 1]))
+    steepest = min(range(1, lowest),
+                   key=lambda i: (smooth[i + 1] - smooth[i - 1]) / (math.log(rates[i + 1]) - math.log(rates[i - 1])))
     assert result["suggestion"] == rates[steepest]
     arms = result["verify"]
     print({name: round(arm["final"], 4) for name, arm in arms.items()}, f"suggestion {result['suggestion']:.3g}")

@@ -69,8 +69,8 @@ class LrFindCommand(Command):
             model, tokenizer = runner.load_model(Path(work))
             rows = supervised_rows(runner, stage, model, tokenizer)
             if rows is None:
-                raise FtcoreError(f"stage {stage.name}: trainer '{stage.trainer.name}' learns from answers it generates; "
-                                  "lr-find needs a stage with labelled rows")
+                raise FtcoreError(f"stage {stage.name}: trainer '{stage.trainer.name}' learns from answers it "
+                                  "generates; lr-find needs a stage with labelled rows")
             from ftcore.runner import calling
 
             with calling(stage.adapter, "apply"):
@@ -96,16 +96,18 @@ class LrFindCommand(Command):
         if args.json:
             print(json.dumps(result))
             return 0
-        console.print(f"stage [bold]{stage.name}[/]: {len(losses)} of {args.steps} steps, learning rate "
-                      f"{args.start:g} -> {rates[len(losses) - 1]:.3g}"
-                      + (" (stopped: the loss diverged)" if len(losses) < args.steps else ""), highlight=False, soft_wrap=True)
+        def say(text: str) -> None:
+            console.print(text, highlight=False, soft_wrap=True)
+
+        say(f"stage [bold]{stage.name}[/]: {len(losses)} of {args.steps} steps, learning rate {args.start:g} -> "
+            f"{rates[len(losses) - 1]:.3g}" + (" (stopped: the loss diverged)" if len(losses) < args.steps else ""))
         lowest = min(range(len(smooth)), key=smooth.__getitem__)
-        console.print(f"lowest smoothed loss {smooth[lowest]:.4f} at learning rate {rates[lowest]:.3g}; "
-                      f"suggested learning_rate = {suggestion:.3g} (where the loss falls fastest)", highlight=False, soft_wrap=True)
+        say(f"lowest smoothed loss {smooth[lowest]:.4f} at learning rate {rates[lowest]:.3g}; "
+            f"suggested learning_rate = {suggestion:.3g} (where the loss falls fastest)")
         for name, arm in result.get("verify", {}).items():
-            console.print(f"verify {name}: learning_rate {arm['learning_rate']:.3g}, loss {arm['losses'][0]:.4f} -> "
-                          f"{arm['final']:.4f} (mean of the last tenth) over {args.steps} steps", highlight=False, soft_wrap=True)
-        console.print(f"plot: {args.plot}", highlight=False, soft_wrap=True)
+            say(f"verify {name}: learning_rate {arm['learning_rate']:.3g}, loss {arm['losses'][0]:.4f} -> "
+                f"{arm['final']:.4f} (mean of the last tenth) over {args.steps} steps")
+        say(f"plot: {args.plot}")
         return 0
 
 

@@ -192,7 +192,6 @@ def test_killed_distributed_run_resumes(single, engine):
     alive = [pid for pid in family if Path(f"/proc/{pid}").exists()
              and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
     assert not alive, f"workers outlived the killed launcher: {alive}"
-    run_dir = folder / "runs" / name
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "running"  # killed, not ended
     assert not (run_dir / "stages" / "pre" / "COMPLETE.json").exists()
 

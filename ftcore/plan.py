@@ -26,7 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate",
-             "export", "track", "distributed")
+             "export", "track", "distributed", "sweep")
 RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
 STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
 EVALUATE_KEYS = ("name", "use", "data", "when")
@@ -110,6 +110,7 @@ class Plan:
     rewards: dict[str, Selected]
     trackers: list[Selected]
     distributed: Any = None  # ftcore.launch.Distributed: how many processes, which engine
+    sweep: Any = None  # ftcore.sweep.Sweep: the [sweep] table, which `ftcore sweep` runs and `ftcore run` ignores
     shown: str = ""  # the plan file as the user named it, for messages
 
     def problem(self, key: str, message: str) -> str:
@@ -130,8 +131,8 @@ class Plan:
 
     def fingerprint(self) -> str:
         """Identity of the plan's content, ignoring formatting and comments. ``[distributed]`` is left
-        out: a run may be resumed on other hardware."""
-        content = {k: v for k, v in self.raw.items() if k != "distributed"}
+        out: a run may be resumed on other hardware; so is ``[sweep]``, which a run does not read."""
+        content = {k: v for k, v in self.raw.items() if k not in ("distributed", "sweep")}
         blob = json.dumps(content, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -185,8 +186,18 @@ def check_plan(raw: dict[str, Any], path: str | Path, registry: Registry, *, sho
     checker = _Checker(shown or str(path), path.parent, registry)
     plan = checker.check(raw, path, distributed or {})
     if checker.problems:
+        if "sweep" in raw:  # its shape at least; its values are checked against a valid plan
+            from .sweep import read
+
+            read(raw["sweep"], checker.problem)
         raise PlanError(checker.problems)
     assert plan is not None
+    if "sweep" in raw:
+        from .sweep import check
+
+        plan.sweep, problems = check(raw, path, registry, shown or str(path), plan)
+        if problems:
+            raise PlanError(problems)
     return plan
 
 

@@ -109,6 +109,7 @@ BUILTIN_COMMANDS = (
     "ftcore_plugins.commands.prepare",
     "ftcore_plugins.commands.check",
     "ftcore_plugins.commands.lr_find",
+    "ftcore_plugins.commands.sweep",
     "ftcore_plugins.commands.chat",
     "ftcore_plugins.commands.generate",
 )

@@ -169,9 +169,11 @@ def now() -> str:
 
 def run_status(error: BaseException | None) -> str:
     """What ``manifest.json`` calls a run that ended with ``error``: ``complete``, ``interrupted``
-    (Ctrl-C, SIGTERM) or ``failed``."""
+    (Ctrl-C, SIGTERM) or ``failed``, or the error's own ``run_status`` (a sweep's ``pruned`` trial)."""
     if error is None:
         return "complete"
+    if isinstance(getattr(error, "run_status", None), str):
+        return error.run_status
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
 
 

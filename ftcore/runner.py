@@ -8,6 +8,7 @@ rebuild the model a later step needs from the saved stage outputs.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -35,6 +36,26 @@ class ModelState:
     adapter_from: int  # index of the stage where that adapter was first applied
 
 
+class ModelCache:
+    """Models one process keeps between runs (``ftcore sweep``'s trials): the base model and the models
+    after stages every trial shares are built once; each run gets its own deep copy, so training one
+    never changes another's start. Holds one extra copy of each kept model."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[Any, Any]] = {}
+        self.built = self.copied = 0
+
+    def get(self, key: str, build: Any) -> tuple[Any, Any]:
+        import copy
+
+        if key not in self._kept:
+            self.built += 1
+            self._kept[key] = build()
+        else:
+            self.copied += 1
+        return copy.deepcopy(self._kept[key])
+
+
 @dataclass
 class StepTime:
     name: str
@@ -43,8 +64,14 @@ class StepTime:
 
 
 class Runner:
-    def __init__(self, plan: Plan, pm: PluginManager, console: Any, *, resume: bool = False, force: bool = False):
+    def __init__(self, plan: Plan, pm: PluginManager, console: Any, *, resume: bool = False, force: bool = False,
+                 shared_stages: dict[str, Path] | None = None, models: ModelCache | None = None):
+        """``shared_stages``: finished stage folders from another run of the same stages (a sweep's shared
+        run), linked into this run's folder so they count as done here; ``models``: a cache that keeps
+        the base and restored stage models across the runs of one process."""
         self.plan = plan
+        self.shared_stages = shared_stages or {}
+        self.models = models
         self.pm = pm
         self.resume = resume
         self.force = force
@@ -77,6 +104,7 @@ class Runner:
         self._preflight()
         # Rank 0 alone applies the run-directory rules; the others wait for its decision before they read.
         note = launch.from_main(self._prepare, self.info.world_size)
+        self._link_shared_stages()
         handler = self._log_to_file()
         self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
                                  self.pm if self.info.is_main else None, self.info)
@@ -224,6 +252,22 @@ class Runner:
         self._check_exports_free()
         return rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
 
+    def _link_shared_stages(self) -> None:
+        for name, folder in self.shared_stages.items():
+            link = self.stage_dir(next(s for s in self.plan.stages if s.name == name))
+            if not (link.exists() or link.is_symlink()):
+                link.parent.mkdir(parents=True, exist_ok=True)
+                # Relative, so the folder holding both runs can move.
+                link.symlink_to(os.path.relpath(folder, link.parent), target_is_directory=True)
+
+    def _kept(self, key: list[Any], build: Any) -> tuple[Any, Any]:
+        """``build()``, or a copy of what it built in an earlier run of this process (``models``). The
+        quantizer in use is part of the key: a QLoRA merge rebuilds the same model without it."""
+        if self.models is None:
+            return build()
+        key = [*key, type(self.quantizer).__qualname__, self.quantizer.options.model_dump(mode="json")]
+        return self.models.get(json.dumps(key, sort_keys=True, default=str), build)
+
     def _steps(self) -> None:
         plan = self.plan
         done = [self._marker(s) for s in plan.stages]
@@ -288,7 +332,9 @@ class Runner:
         with self._step("load"):
             work = self.run_dir / "model"
             work.mkdir(parents=True, exist_ok=True)
-            model, tokenizer = self.load_model(work)
+            plan = self.plan
+            key = ["base", plan.seed, plan.raw.get("model"), plan.raw.get("template")]
+            model, tokenizer = self._kept(key, lambda: self.load_model(work))
         if "model loaded" not in self.memory:  # a reload (a QLoRA merge's full-precision base) is its export's
             self._measure("model loaded")
         self._base = (model, tokenizer)
@@ -330,16 +376,21 @@ class Runner:
             return self._materialize(index - 1, output)
         marker = self._marker(stage) or {}
         started = int(marker.get("adapter_from", index))
-        state = self._materialize(started - 1)
-        model = state.model
-        if state.adapter is not None:
-            with calling(state.adapter, "merge"):
-                model = state.adapter.create().merge(model)
-        with calling(stage.adapter, "restore"):
-            model = stage.adapter.create().restore(model, output or self.stage_dir(stage) / "output",
-                                                       self.adapter_context())
+        folder = output or self.stage_dir(stage) / "output"
+
+        def restore() -> tuple[Any, Any]:
+            state = self._materialize(started - 1)
+            model = state.model
+            if state.adapter is not None:
+                with calling(state.adapter, "merge"):
+                    model = state.adapter.create().merge(model)
+            with calling(stage.adapter, "restore"):
+                model = stage.adapter.create().restore(model, folder, self.adapter_context())
+            return model, state.tokenizer
+
+        model, tokenizer = self._kept(["stage", str(folder.resolve()), marker.get("finished_at")], restore)
         self.reporter.info(f"stage [bold]{stage.name}[/] is complete: restored its output")
-        return ModelState(model, state.tokenizer, stage.adapter, started)
+        return ModelState(model, tokenizer, stage.adapter, started)
 
     def _train(self, stage: Stage, state: ModelState) -> ModelState:
         folder = self.stage_dir(stage)

@@ -351,7 +351,7 @@ def _save(plt, fig, plot: Plot) -> Plot:
 
 # -- rendering -------------------------------------------------------------------------------------------
 
-def render_markdown(head: list[Table], tail: list[Table], plots: list[Plot]) -> str:
+def render_markdown(head: list[Table], tail: list[Table], plots: list[Plot], title: str | None = None) -> str:
     def cell(v: Any) -> str:
         return format_value(v).replace("|", "\\|").replace("\n", " ")
 
@@ -361,7 +361,7 @@ def render_markdown(head: list[Table], tail: list[Table], plots: list[Plot]) -> 
         out.append("|" + "|".join(" --- " for _ in t.columns) + "|")
         return out + ["| " + " | ".join(cell(v) for v in row) + " |" for row in t.rows] + [""]
 
-    out = [f"# Run report: {cell(head[0].rows[0][1])}", ""]
+    out = [f"# {cell(title or 'Run report: ' + format_value(head[0].rows[0][1]))}", ""]
     for t in head:
         out += table(t)
     if plots:
@@ -399,7 +399,7 @@ def _numeric(text: str) -> bool:
     return True
 
 
-def render_html(head: list[Table], tail: list[Table], plots: list[Plot]) -> str:
+def render_html(head: list[Table], tail: list[Table], plots: list[Plot], title: str | None = None) -> str:
     e = html.escape
 
     def table(t: Table) -> list[str]:
@@ -419,7 +419,7 @@ def render_html(head: list[Table], tail: list[Table], plots: list[Plot]) -> str:
             out.append("<tr>" + "".join(cells) + "</tr>")
         return out + ["</table></div>"]
 
-    title = f"Run report: {format_value(head[0].rows[0][1])}"
+    title = title or f"Run report: {format_value(head[0].rows[0][1])}"
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{e(title)}</title>",
            f"<style>{CSS}</style></head><body>", f"<h1>{e(title)}</h1>"]
     for t in head:

@@ -1,0 +1,411 @@
+"""``ftcore sweep``: the plan's ``[sweep]`` hyperparameter search, with Optuna; each trial a full run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import ftcore
+from ftcore.command import Command
+from ftcore.errors import ComponentError, FtcoreError, Interrupted
+
+MANIFEST = "sweep.json"
+STUDY_DB = "study.db"
+
+
+class TrialStopped(BaseException):
+    """Raised from the pruning hook to end a trial's run at once. A BaseException, like Ctrl-C, so
+    that no component's error handling swallows it; the trial's manifest says ``pruned``."""
+
+    run_status = "pruned"
+
+
+class TrialFailed(Exception):
+    """A trial's run failed (its error is recorded on the trial); the sweep goes on."""
+
+
+class SweepCommand(Command):
+    """Search hyperparameters over the plan's [sweep] space with Optuna; each trial is a full run.
+
+    Trials run one after another in this process, in runs/<name>/trials/<n>/, each made by the same
+    runner as `ftcore run`. The stages before the first searched one are trained once, in
+    runs/<name>/shared/, and every trial starts from them; the base model is loaded once. The
+    study lives in runs/<name>/study.db (SQLite), so --resume continues a killed sweep and reruns
+    its interrupted trial from that trial's last checkpoint. At the end it writes best_plan.toml
+    (the plan with the best values) and the sweep report (sweep.html, sweep.md).
+    """
+
+    name = "sweep"
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("plan", help="the plan (TOML), with a [sweep] table")
+        parser.add_argument("--resume", action="store_true",
+                            help="continue the sweep in the plan's folder: finished trials stay, an interrupted "
+                                 "one is rerun from its last checkpoint")
+
+    def run(self, args: argparse.Namespace) -> int:
+        from rich.console import Console
+
+        from ftcore.reporter import quiet_libraries
+
+        quiet_libraries(verbose=args.debug)
+        plan, pm = self.load_plan(args.plan)
+        if plan.sweep is None:
+            raise FtcoreError(f"{args.plan}: has no [sweep] table; add one with the space to search (docs/sweeps.md)")
+        try:
+            import optuna
+        except ImportError:
+            raise FtcoreError("ftcore sweep needs Optuna; install it with: pip install 'ftcore[sweep]'") from None
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        console = Console()
+        sweep = Sweeper(plan, pm, console, args.plan, resume=args.resume)
+        again = f"continue with: ftcore sweep {args.plan} --resume"
+
+        def terminated(signum, frame):
+            raise Interrupted(f"terminated (SIGTERM); {again}", 128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, terminated)
+        try:
+            study = sweep.run()
+        except KeyboardInterrupt as exc:
+            sweep.mark("interrupted")
+            raise Interrupted(f"sweep interrupted; {again}", getattr(exc, "exit_code", 130)) from None
+        except BaseException:
+            sweep.mark("failed")
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        sweep.finish(study)
+        return 0
+
+
+class Sweeper:
+    """One ``ftcore sweep``: the folder, the study, the shared stages and the trials."""
+
+    def __init__(self, plan: Any, pm: Any, console: Any, shown: str, resume: bool):
+        from ftcore.runner import ModelCache
+
+        self.plan, self.pm, self.console, self.shown, self.resume = plan, pm, console, shown, resume
+        self.spec = plan.sweep
+        self.folder = plan.run_dir
+        self.models = ModelCache() if self.spec.share_stages else None
+        stages = plan.stages
+        self.shared = stages[:self.spec.first_searched_stage(len(stages))] if self.spec.share_stages else []
+        self.pruned_stage = stages[self.spec.pruned_stage(len(stages))]
+        self.seconds = {"shared": 0.0, "trials": 0.0}
+
+    # -- the folder ------------------------------------------------------------------------------
+    def claim_folder(self) -> None:
+        """Use the plan's run folder for this sweep, or refuse: it never takes over another run's folder."""
+        from ftcore import rundir
+
+        manifest = self.folder / MANIFEST
+        fingerprint = self.fingerprint()
+        if manifest.exists():
+            previous = rundir.read_json(manifest) or {}
+            if previous.get("fingerprint") != fingerprint:
+                raise FtcoreError(f"{self.folder}: holds a sweep of a different plan or space ({previous.get('plan_path')}); "
+                                  "change run.name to sweep into another folder")
+            if not self.resume:
+                raise FtcoreError(f"{self.folder}: this sweep already ran here (status: {previous.get('status')}); "
+                                  f"pass --resume to continue it, or change run.name to start another")
+            rundir.write_json(manifest, {**previous, "status": "running", "resumed_at":
+                                         [*previous.get("resumed_at", []), rundir.now()]})
+            return
+        if self.folder.exists() and any(self.folder.iterdir()):
+            what = "a run of `ftcore run`" if (self.folder / rundir.MANIFEST).exists() else "files"
+            raise FtcoreError(f"{self.folder}: holds {what}, not a sweep; set run.name to sweep into another folder")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        rundir.write_json(manifest, {"plan_path": str(self.plan.path), "fingerprint": fingerprint, "status": "running",
+                                     "started_at": rundir.now(), "storage": self.storage_url(redact=True)})
+
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.plan.raw, sort_keys=True, default=str).encode()).hexdigest()
+
+    def storage_url(self, redact: bool = False) -> str:
+        if self.spec.storage is None:
+            return f"sqlite:///{self.folder / STUDY_DB}"
+        if redact:  # "postgresql://user:password@host/db": the password stays out of files
+            from sqlalchemy.engine import make_url
+
+            return make_url(self.spec.storage).render_as_string(hide_password=True)
+        return self.spec.storage
+
+    # -- the study -------------------------------------------------------------------------------
+    def study(self) -> Any:
+        import optuna
+
+        spec, seed = self.spec, self.spec.seed if self.spec.seed is not None else self.plan.seed
+        startup = spec.startup_trials or min(10, max(1, spec.trials // 3))
+        sampler = {
+            "tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
+            "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+            "grid": lambda: optuna.samplers.GridSampler({p.path: p.grid() for p in spec.space}, seed=seed),
+            "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=startup),
+        }[spec.sampler]()
+        pruner = {
+            "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=spec.prune_startup_trials,
+                                                          n_warmup_steps=spec.prune_warmup_steps),
+            "hyperband": lambda: optuna.pruners.HyperbandPruner(min_resource=max(1, spec.prune_warmup_steps)),
+            "none": lambda: optuna.pruners.NopPruner(),
+        }[spec.pruner]()
+        # A shared database (several machines on one study) needs heartbeats to find trials whose
+        # process died elsewhere; trials of a dead process on this machine are found by their pid.
+        shared = spec.storage is not None and not spec.storage.startswith("sqlite")
+        storage = optuna.storages.RDBStorage(self.storage_url(), heartbeat_interval=60 if shared else None,
+                                             grace_period=600 if shared else None)
+        self.storage = storage
+        return optuna.create_study(storage=storage, sampler=sampler, pruner=pruner, study_name=self.plan.run_name,
+                                   direction=spec.direction, load_if_exists=True)
+
+    def requeue_interrupted(self, study: Any) -> list[int]:
+        """Trials a stopped sweep left unfinished: those interrupted (Ctrl-C, SIGTERM), and those still
+        marked running by a process of this machine that is gone (SIGKILL). Each is marked failed and
+        interrupted, and its parameters are queued again: the new trial continues the old one's run
+        folder from its last checkpoint. Returns the interrupted trial numbers."""
+        from optuna.trial import TrialState
+
+        found = []
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.FAIL)):
+            attrs = t.user_attrs
+            if t.state == TrialState.RUNNING and (attrs.get("host") != socket.gethostname() or _alive(attrs.get("pid"))):
+                continue
+            if t.state == TrialState.FAIL and not (attrs.get("interrupted") and not attrs.get("requeued")):
+                continue
+            # FrozenTrial keeps its storage id private; the storage API needs it.
+            self.storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+            self.storage.set_trial_user_attr(t._trial_id, "requeued", True)
+            if t.state == TrialState.RUNNING:
+                self.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            study.enqueue_trial(t.params, user_attrs={"continues": attrs.get("folder", str(t.number))})
+            found.append(t.number)
+        return found
+
+    def finished(self, study: Any) -> int:
+        from optuna.trial import TrialState
+
+        return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self) -> Any:
+        from ftcore.plan import check_plan
+
+        self.claim_folder()
+        study = self.study()
+        started = time.perf_counter()
+        if self.resume:
+            for number in self.requeue_interrupted(study):
+                self.say(f"trial {number} was interrupted: it runs again from its last checkpoint")
+        if self.shared:
+            from ftcore.runner import Runner
+
+            raw = self.trial_raw({}, "shared", self.folder)
+            raw["stage"] = raw["stage"][:len(self.shared)]
+            for key in ("evaluate", "export", "track"):
+                raw.pop(key, None)
+            plan = check_plan(raw, self.plan.path, self.pm.registry(), shown=f"{self.shown} [shared stages]")
+            self.say(f"shared stages ({', '.join(s.name for s in self.shared)}): trained once, in {self.folder / 'shared'}")
+            t0 = time.perf_counter()
+            Runner(plan, self.pm, self.console, resume=(self.folder / "shared").exists(), models=self.models).run()
+            self.seconds["shared"] += time.perf_counter() - t0
+        failures = 0
+        while self.finished(study) < self.spec.trials:
+            before = len(study.trials)
+            study.optimize(self.objective, n_trials=1, catch=(TrialFailed,))
+            last = study.trials[before] if len(study.trials) > before else None
+            failures = failures + 1 if last is not None and last.state.name == "FAIL" else 0
+            if failures >= 3:
+                raise FtcoreError(f"{failures} trials in a row failed (last: trial {last.number}: "
+                                  f"{last.user_attrs.get('error', '?')}); see {self.folder / 'trials'}")
+        self.seconds["wall"] = time.perf_counter() - started
+        return study
+
+    def trial_raw(self, values: dict, name: str, output_dir: Path) -> dict[str, Any]:
+        from ftcore.sweep import apply, strip
+
+        raw = apply(strip(self.plan.raw), values)
+        raw["run"] = {**raw.get("run", {}), "output_dir": str(output_dir), "name": name}
+        return raw
+
+    def objective(self, trial: Any) -> float:
+        from ftcore import memory
+        from ftcore.plan import check_plan
+        from ftcore.runner import Runner
+
+        spec = self.spec
+        values = {p.keys: suggest(trial, p) for p in spec.space}
+        continues = trial.user_attrs.get("continues")
+        folder = str(continues if continues is not None else trial.number)
+        for key, value in (("folder", folder), ("host", socket.gethostname()), ("pid", os.getpid())):
+            trial.set_user_attr(key, value)
+        shown = ", ".join(f"{p.path} = {_short(trial.params[p.path])}" for p in spec.space)
+        self.say(f"[bold]trial {trial.number}[/]" + (f" (continues trial folder {folder})" if continues is not None
+                                                      else "") + f": {shown}")
+        plan = check_plan(self.trial_raw(values, folder, self.folder / "trials"), self.plan.path, self.pm.registry(),
+                          shown=f"{self.shown} [trial {trial.number}]")
+        watch = EvalLossWatch(trial, self.pruned_stage.name, -1.0 if spec.direction == "maximize" else 1.0)
+        name = f"ftcore-sweep-trial-{trial.number}"
+        self.pm.register(watch, name=name)
+        shared = {s.name: self.folder / "shared" / "stages" / s.name for s in self.shared}
+        t0 = time.perf_counter()
+        try:
+            summary = Runner(plan, self.pm, self.console, resume=continues is not None, shared_stages=shared,
+                             models=self.models).run()
+        except TrialStopped as stop:
+            import optuna
+
+            trial.set_user_attr("pruned_at_step", watch.step)
+            self.say(f"trial {trial.number}: pruned at step {watch.step} ({stop})")
+            raise optuna.TrialPruned(str(stop)) from None
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: Optuna marks the trial failed; --resume reruns it
+            trial.set_user_attr("interrupted", True)
+            raise
+        except (FtcoreError, ComponentError) as exc:
+            trial.set_user_attr("error", str(exc)[:500])
+            self.say(f"[red]trial {trial.number} failed[/]: {exc}")
+            raise TrialFailed(str(exc)) from None
+        finally:
+            self.pm.unregister(name=name)
+            seconds = time.perf_counter() - t0
+            self.seconds["trials"] += seconds
+            trial.set_user_attr("seconds", round(seconds, 2))
+            memory.release()
+        value = metric_value(summary, spec.metric, plan.run_dir, self.pruned_stage.name)
+        self.say(f"trial {trial.number}: {spec.metric} = {value:.6g} ({seconds:.1f} s)")
+        return value
+
+    def mark(self, status: str) -> None:
+        from ftcore import rundir
+
+        manifest = self.folder / MANIFEST
+        if manifest.exists():
+            rundir.write_json(manifest, {**(rundir.read_json(manifest) or {}), "status": status, "ended_at": rundir.now()})
+
+    def finish(self, study: Any) -> None:
+        from ftcore import rundir
+
+        from ftcore_plugins.commands._sweep_report import best_plan_text, write_report
+
+        best = _best(study)
+        out: dict[str, Any] = {"status": "complete", "ended_at": rundir.now(), "seconds": self.seconds}
+        if self.models is not None:
+            out["models"] = {"built": self.models.built, "copied": self.models.copied}
+        if best is not None:
+            path = self.folder / "best_plan.toml"
+            text = best_plan_text(self.plan, self.spec, best, self.folder)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+            out["best"] = {"trial": best.number, "value": best.value, "params": best.params,
+                           "folder": best.user_attrs.get("folder")}
+        manifest = self.folder / MANIFEST
+        rundir.write_json(manifest, {**(rundir.read_json(manifest) or {}), **out})
+        html_path, _ = write_report(self.folder, study, self.spec, self.seconds)
+        counts = _counts(study)
+        self.say(f"sweep done: {counts.get('COMPLETE', 0)} finished, {counts.get('PRUNED', 0)} pruned, "
+                 f"{counts.get('FAIL', 0)} failed, in {self.seconds['wall']:.0f} s")
+        if best is not None:
+            self.say(f"best: trial {best.number}, {self.spec.metric} = {best.value:.6g}: "
+                     + ", ".join(f"{k} = {_short(v)}" for k, v in best.params.items()))
+            self.say(f"best plan: {self.folder / 'best_plan.toml'}")
+        self.say(f"report: {html_path}")
+
+    def say(self, text: str) -> None:
+        self.console.print(text, highlight=False, soft_wrap=True)
+
+
+class EvalLossWatch:
+    """A run plugin for one trial: reports each eval loss of the searched stage to Optuna as an
+    intermediate value (negated when the study maximises, so that lower loss is better either way)
+    and stops the run when the pruner says so."""
+
+    def __init__(self, trial: Any, stage: str, sign: float):
+        self.trial, self.stage, self.sign = trial, stage, sign
+        self.step: int | None = None
+
+    @ftcore.hookimpl
+    def ftcore_log(self, run: Any, stage: str, step: int | None, metrics: dict[str, float]) -> None:
+        if stage != self.stage or step is None or not isinstance(metrics.get("eval_loss"), float):
+            return
+        self.step = step
+        self.trial.report(self.sign * metrics["eval_loss"], step)
+        if self.trial.should_prune():
+            raise TrialStopped(f"eval_loss {metrics['eval_loss']:.4g} at step {step} is worse than the median "
+                               f"of earlier trials there")
+
+
+def suggest(trial: Any, p: Any) -> Any:
+    if p.kind == "categorical":
+        return trial.suggest_categorical(p.path, list(p.choices))
+    if p.kind == "int":
+        return trial.suggest_int(p.path, p.low, p.high, step=p.step or 1, log=p.log)
+    return trial.suggest_float(p.path, float(p.low), float(p.high), step=p.step, log=p.log)
+
+
+def metric_value(summary: dict[str, Any], metric: str, run_dir: Path, stage: str) -> float:
+    """The trial's value of the sweep's metric: an evaluation's after training, or the stage's last
+    eval loss (from the run's metrics, the last attempt of each step)."""
+    import math
+
+    from ftcore_plugins.commands.report import _records, latest_attempts
+
+    if metric == "eval_loss":
+        losses = [r["eval_loss"] for r in latest_attempts(_records(run_dir))
+                  if r.get("stage") == stage and isinstance(r.get("eval_loss"), (int, float))]
+        if not losses:
+            raise FtcoreError(f"sweep.metric: stage {stage!r} logged no eval_loss in {run_dir}")
+        return float(losses[-1])
+    evaluation, _, key = metric.partition("/")
+    results = summary.get("evaluations", {}).get("after", {}).get(evaluation)
+    if results is None:
+        raise FtcoreError(f"sweep.metric: evaluation {evaluation!r} has no result after training in {run_dir}")
+    key = key or evaluation
+    value = results.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        numbers = [k for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        raise FtcoreError(f"sweep.metric: evaluation {evaluation!r} gives no number {key!r}; it gives "
+                          f"{', '.join(numbers) or 'none'}: write metric = \"{evaluation}/<one of them>\"")
+    return float(value)
+
+
+def _best(study: Any) -> Any:
+    try:
+        return study.best_trial
+    except ValueError:  # no complete trial
+        return None
+
+
+def _counts(study: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in study.trials:
+        counts[t.state.name] = counts.get(t.state.name, 0) + 1
+    return counts
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return pid != os.getpid()
+
+
+@ftcore.hookimpl
+def register_commands(register):
+    register(SweepCommand)

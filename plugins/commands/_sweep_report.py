@@ -108,15 +108,25 @@ def _set(doc: Any, keys: tuple[Any, ...], value: Any) -> None:
 
 # -- the report ----------------------------------------------------------------------------------------
 
+def result_keys(study: Any, spec: Any) -> list[str]:
+    """The evaluations after training that trials recorded, the sweep's metric left out."""
+    keys: dict[str, None] = {}
+    for t in study.trials:
+        keys.update(dict.fromkeys(t.user_attrs.get("results", {})))
+    metric = spec.metric if "/" in spec.metric else f"{spec.metric}/{spec.metric}"
+    return [k for k in keys if k != metric]
+
+
 def trial_rows(study: Any, spec: Any) -> list[list[Any]]:
     rows = []
+    results = result_keys(study, spec)
     for t in study.trials:
         state = t.state.name.lower()
         if t.user_attrs.get("interrupted"):
             state = "interrupted"
         rows.append([t.number, state, f"trials/{t.user_attrs['folder']}" if "folder" in t.user_attrs else "",
                      *(t.params.get(p.path) for p in spec.space), t.value,
-                     t.user_attrs.get("pruned_at_step"), t.user_attrs.get("seconds"),
+                     *(t.user_attrs.get("results", {}).get(k) for k in results), t.user_attrs.get("pruned_at_step"), t.user_attrs.get("seconds"),
                      t.user_attrs.get("error", "")])
     return rows
 
@@ -142,7 +152,8 @@ def write_report(folder: Path, study: Any, spec: Any, seconds: dict[str, float])
     if best is not None:
         head.append(Table("Best parameters", ["parameter", "value"], [[k, v] for k, v in best.params.items()],
                           note="best_plan.toml holds them"))
-    columns = ["trial", "state", "run folder", *(p.path for p in spec.space), spec.metric, "pruned at step",
+    columns = ["trial", "state", "run folder", *(p.path for p in spec.space), spec.metric,
+               *result_keys(study, spec), "pruned at step",
                "seconds", "error"]
     tail = [Table("Trials", columns, trial_rows(study, spec))]
     plots = make_plots(folder, study, spec)

@@ -126,9 +126,11 @@ class Sweeper:
                                      "started_at": rundir.now(), "storage": self.storage_url(redact=True)})
 
     def fingerprint(self) -> str:
+        """The plan and its space; not the number of trials, which a resumed sweep may raise."""
         import hashlib
 
-        return hashlib.sha256(json.dumps(self.plan.raw, sort_keys=True, default=str).encode()).hexdigest()
+        raw = {**self.plan.raw, "sweep": {k: v for k, v in self.plan.raw["sweep"].items() if k != "trials"}}
+        return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()
 
     def storage_url(self, redact: bool = False) -> str:
         if self.spec.storage is None:
@@ -278,6 +280,10 @@ class Sweeper:
             self.seconds["trials"] += seconds
             trial.set_user_attr("seconds", round(seconds, 2))
             memory.release()
+        # Every evaluation after training, for the report: the search reads one, a user wants them all.
+        trial.set_user_attr("results", {f"{ev}/{k}": v for ev, values in summary.get("evaluations", {}).get("after", {})
+                                        .items() for k, v in values.items() if k not in ("n", "tokens")
+                                        and isinstance(v, (int, float)) and not isinstance(v, bool)})
         value = metric_value(summary, spec.metric, plan.run_dir, self.pruned_stage.name)
         self.say(f"trial {trial.number}: {spec.metric} = {value:.6g} ({seconds:.1f} s)")
         return value

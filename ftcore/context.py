@@ -146,3 +146,7 @@ class ExportContext:
     last: bool = True
     release_model: Callable[[], None] | None = None
     merged: Any = None
+    # The exports written before this one, by name: where each one's main artifact is. An exporter
+    # that only reads them (``reads_exports = True`` on its class, e.g. a registry) runs after every
+    # other export and gets no model (``model`` is None).
+    exports: dict[str, Path] = field(default_factory=dict)

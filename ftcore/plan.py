@@ -37,6 +37,7 @@ DEFAULTS = {"quantizer": "none", "template": "native", "adapter": "full"}
 _SECRET = re.compile(r"(^|[_-])(token|secret|password|passwd|api[_-]?key|credentials?)$", re.I)
 _SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}"
                            r"|xox[abprs]-[A-Za-z0-9\-]{10,})")
+_URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.\-]*://[^:/@\s]+):[^@\s]+@", re.I)  # "postgresql://user:pw@host"
 _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 _SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")  # "tokenizer_data[0]: ..."
 
@@ -614,11 +615,14 @@ def _pydantic_message(err: dict) -> str:
 def redact(value: Any) -> Any:
     """``value`` (a plan, a section, tags) with secrets replaced by ``***``: the value of a key that names
     one (``token``, ``api_key``, ``password``, ...) and any string shaped like a known access token
-    (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub, Slack), whatever its key."""
+    (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub, Slack), whatever its key; the password of a
+    URL (``postgresql://user:***@host/db``, a sweep's storage)."""
     if isinstance(value, dict):
         return {k: ("***" if _SECRET.search(str(k)) and v else redact(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(v) for v in value]
     if isinstance(value, str) and _SECRET_VALUE.search(value):
         return "***"
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(r"\1:***@", value)
     return value

@@ -98,6 +98,7 @@ BUILTIN_PLUGINS = (
     "ftcore_plugins.evaluators.lm_eval",
     "ftcore_plugins.exporters.onnx",
     "ftcore_plugins.exporters.gguf",
+    "ftcore_plugins.exporters.mlflow",
 )
 
 # Built-in subcommands beyond run/validate/plugins; `ftcore --help` imports these and no other built-in.

@@ -295,7 +295,12 @@ class Runner:
         for stage in plan.stages[:max(last_done, 0)]:  # finished stages whose evaluation did not (killed between)
             if between[stage.name]:
                 self._evaluate(stage.name, *self.model_at(stage.name))
-        state = self._materialize(last_done)
+        # Only exports that read other exports' folders left (a registry after a kill): no model needed.
+        if pending or after or any(map(_needs_model, exports)) or (last_done >= 0 and between.get(
+                plan.stages[last_done].name)):
+            state = self._materialize(last_done)
+        else:
+            state = ModelState(None, None, None, last_done)
         if last_done >= 0 and between.get(plan.stages[last_done].name):
             self._evaluate(plan.stages[last_done].name, state.model, state.tokenizer)
         for stage in pending:
@@ -307,10 +312,12 @@ class Runner:
         # Exports that read the adapter model as it is go first; then those that merge it (``merges =
         # True``), which may merge it in place and hand the merged model on, so no export holds two
         # copies of the model.
-        exports.sort(key=lambda e: bool(getattr(e.exporter.reg.cls, "merges", False)))
+        # Exports that only read the others' folders (``reads_exports``) come last and get no model.
+        exports.sort(key=lambda e: (not _needs_model(e), bool(getattr(e.exporter.reg.cls, "merges", False))))
+        using = [e for e in exports if _needs_model(e)]
         self._live, state = state, None
-        for i, export in enumerate(exports):
-            self._export(export, last=i == len(exports) - 1)
+        for export in exports:
+            self._export(export, last=not using or export is using[-1])
         self._live = None
         if exports:
             self._measure("exported")
@@ -479,7 +486,7 @@ class Runner:
         memory.release()  # the trainers' objects hold it in reference cycles; the heap keeps freed pages
 
     def _export(self, export: Any, last: bool) -> None:
-        state = self._live
+        state = self._live if _needs_model(export) else ModelState(None, None, None, -1)
         merges = bool(getattr(export.exporter.reg.cls, "merges", False))
         memory.reset_peak()
         before = memory.snapshot().get("rss_mib")
@@ -496,7 +503,8 @@ class Runner:
                                 provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
                                 load_full_precision_base=lambda: self._full_precision_base(where),
                                 final_path=path, adapter_base=lambda: self._adapter_base(where),
-                                consume=merges, last=last, release_model=self._release_live if merges else None)
+                                consume=merges, last=last, release_model=self._release_live if merges else None,
+                                exports={k: Path(v) for k, v in self.exports.items()})
             state = None
             if self.info.is_main:
                 rundir.remove(partial)  # a killed export's leftover
@@ -516,7 +524,7 @@ class Runner:
                 self.reporter.info(f"exported [bold]{export.name}[/] to {artifact}")
             if ctx.merged is not None:  # the exports after this one get the merged model
                 self._live = ModelState(ctx.merged, where.tokenizer, None, where.adapter_from)
-            elif self._live is None and not last:
+            elif self._live is None and not last and _needs_model(export):
                 raise ComponentError(f"exporter '{export.exporter.name}' from {export.exporter.reg.who()} released the "
                                      f"model and handed no merged model on to the exports after it [{export.exporter.key}]")
         self._measure(f"export:{export.name}", rss_before_mib=before)
@@ -755,6 +763,11 @@ def calling(sel: Selected, what: str, where: str | None = None) -> Iterator[None
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in {what}() "
                              f"[{where or sel.key}]: {type(exc).__name__}: {first}") from exc
+
+
+def _needs_model(export: Any) -> bool:
+    """False for an exporter that only reads other exports' folders (``reads_exports = True``)."""
+    return not getattr(export.exporter.reg.cls, "reads_exports", False)
 
 
 def _relative(path: Path, base: Path) -> str:

@@ -58,11 +58,13 @@ def test_builtin_commands_are_plugins_and_help_lists_them(tmp_path):
                        ("chat", "chat with a run's model"), ("generate", "answer a JSONL file of prompts"),
                        ("prepare", "tokenize a plan's data into the cache, without training"),
                        ("check", "pre-flight check of a plan's training stages"),
-                       ("lr-find", "learning-rate range test on a stage's data")):
+                       ("lr-find", "learning-rate range test on a stage's data"),
+                       ("sweep", "search hyperparameters over the plan's [sweep] space with Optuna")):
         assert lines_with(r.stdout, name, line), r.stdout
     listing = json.loads(ftcore_cli("plugins", "--json", cwd=tmp_path).stdout)
     by_name = {c["name"]: c for c in listing["commands"]}
-    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare", "check", "lr-find"}
+    assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare", "check", "lr-find",
+                            "sweep"}
     assert all(c["dist"] == "ftcore" and c["plugin"].startswith("ftcore_plugins.commands.") for c in by_name.values())
 
 

@@ -76,12 +76,12 @@ def read_run(run_dir: Path | str) -> RunFiles:
         raise FtcoreError(f"{run_dir}: not an ftcore run (no readable {rundir.MANIFEST})")
     stages = [s["name"] for s in manifest.get("resolved", {}).get("stages", [])]
     markers = {name: m for name in stages if (m := rundir.read_json(run_dir / "stages" / name / rundir.COMPLETE))}
-    return RunFiles(run_dir, manifest, rundir.read_json(run_dir / "summary.json"), _records(run_dir),
+    return RunFiles(run_dir, manifest, rundir.read_json(run_dir / "summary.json"), read_records(run_dir),
                     _evaluations(run_dir, stages), rundir.read_json(run_dir / "data_report.json") or {},
                     rundir.read_json(run_dir / "exports.json") or {}, markers)
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
     """The run's metric records; of a step that a resumed run redid, only the last attempt's."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():

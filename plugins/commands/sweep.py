@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,8 @@ class Sweeper:
         stages = plan.stages
         self.shared = stages[:self.spec.first_searched_stage(len(stages))] if self.spec.share_stages else []
         self.pruned_stage = stages[self.spec.pruned_stage(len(stages))]
+        self.registries = [_Indexed(i, e) for i, e in enumerate(plan.exports)
+                           if getattr(e.exporter.reg.cls, "reads_exports", False)]
         self.seconds = {"shared": 0.0, "trials": 0.0}
 
     # -- the folder ------------------------------------------------------------------------------
@@ -136,9 +139,9 @@ class Sweeper:
         if self.spec.storage is None:
             return f"sqlite:///{self.folder / STUDY_DB}"
         if redact:  # "postgresql://user:password@host/db": the password stays out of files
-            from sqlalchemy.engine import make_url
+            from ftcore.plan import redact as hide
 
-            return make_url(self.spec.storage).render_as_string(hide_password=True)
+            return hide(self.spec.storage)
         return self.spec.storage
 
     # -- the study -------------------------------------------------------------------------------
@@ -231,11 +234,39 @@ class Sweeper:
         return study
 
     def trial_raw(self, values: dict, name: str, output_dir: Path) -> dict[str, Any]:
+        """A trial's plan: the sweep's values in, its run folder set, and no export that registers
+        (``reads_exports``): the sweep registers its best trial alone, at the end."""
         from ftcore.sweep import apply, strip
 
         raw = apply(strip(self.plan.raw), values)
         raw["run"] = {**raw.get("run", {}), "output_dir": str(output_dir), "name": name}
+        if self.registries:
+            sections = raw["export"] if isinstance(raw["export"], list) else [raw["export"]]
+            raw["export"] = [s for i, s in enumerate(sections) if i not in {e.index for e in self.registries}]
         return raw
+
+    def register_best(self, best: Any) -> list[Path]:
+        """Run the plan's registering exports (``[[export]] use = "mlflow"``) on the best trial's run
+        folder and its exports, as its own run would have; their records go under ``registered/``."""
+        from ftcore import rundir
+        from ftcore.context import ExportContext, RunInfo
+        from ftcore.reporter import Reporter
+        from ftcore.runner import calling
+
+        trial_dir = self.folder / "trials" / str(best.user_attrs["folder"])
+        done = rundir.read_json(trial_dir / "exports.json") or {}
+        reporter = Reporter(self.console, None, None, None)
+        # The sweep's plan (its run name names the registered model), the best trial's folder.
+        info = RunInfo(self.plan, trial_dir, 0, 1, reporter)
+        written = []
+        for e in self.registries:
+            out = self.folder / "registered" / e.export.name
+            out.parent.mkdir(exist_ok=True)
+            ctx = ExportContext(info, reporter, None, None, None, None, out, e.export.name,
+                                exports={k: rundir.stored(trial_dir, v) for k, v in done.items()})
+            with calling(e.export.exporter, "export"):
+                written.append(Path(e.export.exporter.create().export(ctx) or out))
+        return written
 
     def objective(self, trial: Any) -> float:
         from ftcore import memory
@@ -312,6 +343,7 @@ class Sweeper:
             tmp.replace(path)
             out["best"] = {"trial": best.number, "value": best.value, "params": best.params,
                            "folder": best.user_attrs.get("folder")}
+            out["registered"] = [str(p) for p in self.register_best(best)]
         manifest = self.folder / MANIFEST
         rundir.write_json(manifest, {**(rundir.read_json(manifest) or {}), **out})
         html_path, _ = write_report(self.folder, study, self.spec, self.seconds)
@@ -326,6 +358,12 @@ class Sweeper:
 
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
+
+
+@dataclass
+class _Indexed:
+    index: int  # the export's place in the plan's [[export]] array
+    export: Any
 
 
 class EvalLossWatch:
@@ -361,10 +399,10 @@ def metric_value(summary: dict[str, Any], metric: str, run_dir: Path, stage: str
     eval loss (from the run's metrics, the last attempt of each step)."""
     import math
 
-    from ftcore_plugins.commands.report import _records, latest_attempts
+    from ftcore_plugins.commands.report import latest_attempts, read_records
 
     if metric == "eval_loss":
-        losses = [r["eval_loss"] for r in latest_attempts(_records(run_dir))
+        losses = [r["eval_loss"] for r in latest_attempts(read_records(run_dir))
                   if r.get("stage") == stage and isinstance(r.get("eval_loss"), (int, float))]
         if not losses:
             raise FtcoreError(f"sweep.metric: stage {stage!r} logged no eval_loss in {run_dir}")

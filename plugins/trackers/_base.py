@@ -1,10 +1,9 @@
-"""What the tracker plugins share: where they write, which values are numbers, the plan as
-flat parameters, and the check that their library is installed."""
+"""What the tracker plugins share: where they write, which values are numbers, and the check that
+their library is installed."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -40,24 +39,6 @@ def numbers(metrics: dict[str, Any]) -> dict[str, float]:
 
 def finite(value: float) -> bool:
     return not (math.isnan(value) or math.isinf(value))
-
-
-def flat_plan(run: Any) -> dict[str, str]:
-    """The redacted plan as ``section.key`` -> text, lists of tables by index (``stage.0.name``)."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), inner)
-        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
-            for i, inner in enumerate(value):
-                walk(f"{prefix}.{i}", inner)
-        else:
-            out[prefix] = value if isinstance(value, str) else json.dumps(value, default=str)
-
-    walk("", run.plan.redacted())
-    return out
 
 
 def error_line(error: BaseException) -> str:

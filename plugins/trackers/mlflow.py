@@ -3,7 +3,6 @@ default in a SQLite store under the run directory (MLflow 3 refuses new file sto
 
 from __future__ import annotations
 
-import re
 import time
 
 import ftcore
@@ -12,11 +11,10 @@ from ftcore.component import Component, Options
 from ftcore.plan import redact
 from ftcore.types import OutputPath
 
+from ftcore_plugins.common import mlflow_store
 from ftcore_plugins.trackers import _base as _tracking
 
-# MLflow's limits on names and parameter values (mlflow.utils.validation).
-_BAD_NAME = re.compile(r"[^/\w.\- :]")
-_MAX_KEY, _MAX_VALUE, _BATCH = 250, 6000, 100
+_BATCH = 100
 _STATUS = {"complete": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 
 
@@ -42,33 +40,25 @@ class MLflow(Component):
         self._run_id = ""
 
     def check(self, plan):
-        uri = self.options.tracking_uri
-        # The SQLite store needs SQLAlchemy and Alembic, which mlflow-skinny leaves out.
-        modules = ("mlflow", "sqlalchemy", "alembic") if uri is None or uri.startswith("sqlite") else ("mlflow",)
-        return _tracking.missing(modules, "mlflow-skinny sqlalchemy alembic")
+        return mlflow_store.missing(self.options.tracking_uri)
 
     @ftcore.hookimpl
     def ftcore_run_start(self, run):
         if not run.is_main:
             return
         from mlflow.entities import Param
-        from mlflow.tracking import MlflowClient
 
         o = self.options
-        uri, artifacts = o.tracking_uri, None
-        if uri is None:
-            where = _tracking.folder(run, o.dir, "mlflow")
-            uri, artifacts = f"sqlite:///{where / 'mlflow.db'}", (where / "artifacts").as_uri()
-        client = MlflowClient(tracking_uri=uri)
-        experiment = client.get_experiment_by_name(o.experiment)
-        experiment_id = experiment.experiment_id if experiment else \
-            client.create_experiment(o.experiment, artifact_location=artifacts)
+        uri, artifacts = mlflow_store.store_for(o.tracking_uri, o.dir or run.run_dir / "tracking" / "mlflow")
+        client = mlflow_store.client(uri)
+        experiment_id = mlflow_store.experiment(client, o.experiment, artifacts)
         # Tags are redacted as the plan is: the manifest and params never hold a secret, nor may the tags.
         tags = {"ftcore.run_dir": str(run.run_dir), "ftcore.plan_fingerprint": run.plan.fingerprint(),
                 **redact(dict(o.tags))}
         self._run_id = client.create_run(experiment_id, run_name=o.run_name or run.plan.run_name,
                                          tags=tags).info.run_id
-        params = [Param(_key(k), v[:_MAX_VALUE]) for k, v in _tracking.flat_plan(run).items()]
+        params = [Param(mlflow_store.key(k), v[:mlflow_store.MAX_VALUE])
+                  for k, v in mlflow_store.flat(run.plan.redacted()).items()]
         for i in range(0, len(params), _BATCH):
             client.log_batch(self._run_id, params=params[i:i + _BATCH])
         self._client = client
@@ -97,12 +87,8 @@ class MLflow(Component):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self._client.log_batch(self._run_id, metrics=[Metric(_key(f"{prefix}/{k}"), v, now, step)
+        self._client.log_batch(self._run_id, metrics=[Metric(mlflow_store.key(f"{prefix}/{k}"), v, now, step)
                                                       for k, v in values.items()])
-
-
-def _key(name: str) -> str:
-    return _BAD_NAME.sub("_", name)[:_MAX_KEY]
 
 
 @ftcore.hookimpl

@@ -111,8 +111,8 @@ class Plan:
     rewards: dict[str, Selected]
     trackers: list[Selected]
     distributed: Any = None  # ftcore.launch.Distributed: how many processes, which engine
-    sweep: Any = None  # ftcore.sweep.Sweep: the [sweep] table, which `ftcore sweep` runs and `ftcore run` ignores
     shown: str = ""  # the plan file as the user named it, for messages
+    sweep: Any = None  # ftcore.sweep.Sweep: the [sweep] table, which `ftcore sweep` runs and `ftcore run` ignores
 
     def problem(self, key: str, message: str) -> str:
         """A problem with this plan, in the form validation reports them: ``<file>: <key>: <message>``."""

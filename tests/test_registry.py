@@ -45,6 +45,7 @@ tags = {{ team = "nlp" }}
 
 
 def test_a_registered_model_reads_back_and_loads(tiny_project):
+    import mlflow
     import torch
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
@@ -67,7 +68,7 @@ def test_a_registered_model_reads_back_and_loads(tiny_project):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     tags = version.tags
     assert tags["ftcore.plan_fingerprint"] == manifest["plan_fingerprint"]
-    assert tags["ftcore.base_model"] == "scratch llama" and tags["team"] == "nlp"
+    assert tags["ftcore.base_model"] == "scratch" and tags["team"] == "nlp"  # [model] use = "scratch", no path
     assert tags["ftcore.method"] == "sft: sft + lora" and tags["ftcore.export"] == "merged"
     for file, data in manifest["data_files"].items():
         assert tags[f"ftcore.data.{data['data']}.{file.rsplit('/', 1)[-1]}.sha256"] == data["sha256"]
@@ -81,8 +82,8 @@ def test_a_registered_model_reads_back_and_loads(tiny_project):
     assert "CPU" in tags["ftcore.devices"]
 
     # The artifact, fetched through the registry alone, is a transformers model: the merged export's logits.
-    local = download_artifacts(artifact_uri="models:/tiny-chat@candidate", dst_path=str(tiny_project.dir / "dl"),
-                               tracking_uri=uri)
+    mlflow.set_registry_uri(uri)  # models:/ URIs resolve in the registry
+    local = download_artifacts(artifact_uri="models:/tiny-chat@candidate", dst_path=str(tiny_project.dir / "dl"))
     model = AutoModelForCausalLM.from_pretrained(local).eval()
     tokenizer = AutoTokenizer.from_pretrained(local)
     exported = AutoModelForCausalLM.from_pretrained(run_dir / "exports" / "merged").eval()
@@ -92,8 +93,7 @@ def test_a_registered_model_reads_back_and_loads(tiny_project):
         out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > ids.shape[1]
     # The adapter version loads with peft on the base its adapter_config.json names.
-    adapter_dir = download_artifacts(artifact_uri="models:/tiny-chat@adapter", tracking_uri=uri,
-                                     dst_path=str(tiny_project.dir / "dl_adapter"))
+    adapter_dir = download_artifacts(artifact_uri="models:/tiny-chat@adapter", dst_path=str(tiny_project.dir / "dl_adapter"))
     base = json.loads((run_dir / "exports" / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir).eval()
     with torch.no_grad():

@@ -82,7 +82,7 @@ def trials(folder) -> list[dict]:
 # -- the plan's [sweep] table --------------------------------------------------------------------------
 
 BAD = [
-    ('sampler = "grid"', 'sampler = "gird"', "sweep.sampler: unknown sampler 'gird'; did you mean 'grid'?"),
+    ('sampler = "tpe"', 'sampler = "gird"', "sweep.sampler: unknown sampler 'gird'; did you mean 'grid'?"),
     ("trials = 3", "trials = 3\nsamples = 2", "sweep.samples: unknown key 'samples'; did you mean 'sampler'?"),
     ('metric = "perplexity"', 'metric = "perplexty"', "sweep.metric: no evaluation named 'perplexty'; did you mean"),
     (SPACE, '"stage.sfx.learning_rate" = { low = 1e-4, high = 1e-2 }',
@@ -102,19 +102,20 @@ BAD = [
      """sweep.space."stage.sft.learning_rate": a log range needs low above 0, got 0.0"""),
     (SPACE, '"stage.sft.learning_rate" = { low = 1e-2, high = 1e-4 }',
      """sweep.space."stage.sft.learning_rate": low must be below high"""),
-    (SPACE, '"stage.sft.learning_rate" = { low = 1e-4, high = 1e-2 }',
-     """sweep.space."stage.sft.learning_rate": the grid sampler needs choices, or low and high with a step"""),
+    ('sampler = "tpe"\ntrials = 3', 'sampler = "grid"\ntrials = 3',
+     """sweep.space."stage.sft.warmup_ratio": the grid sampler needs choices, or low and high with a step"""),
     (SPACE, '"run.output_dir" = { choices = ["a", "b"] }',
      """sweep.space."run.output_dir": run.output_dir places the trials' run folders; the sweep sets it"""),
     (SPACE, '"training.lr" = { choices = [1, 2] }', """sweep.space."training.lr": unknown plan section 'training'"""),
-    ('eval_data = "chat_eval"\n', "", "sweep.pruner: pruner 'median' reads stage 'sft''s eval loss, and it has no "
-                                      "eval_data"),
+    ('eval_data = "chat_eval"\neval_steps = 2\n', "", "sweep.pruner: pruner 'median' reads stage 'sft''s eval "
+                                                        "loss, and it has no eval_data"),
 ]
 
 
 @pytest.mark.parametrize("old,new,expected", BAD, ids=[b[2].split(":")[0] + str(i) for i, b in enumerate(BAD)])
 def test_a_bad_sweep_is_one_line_naming_its_key(tiny_project, old, new, expected):
-    path = sweep_plan(tiny_project)
+    path = sweep_plan(tiny_project, space=SPACE + '\n"stage.sft.warmup_ratio" = { low = 0.0, high = 0.1 }',
+                      sampler="tpe")
     text = path.read_text()
     assert old in text
     path.write_text(text.replace(old, new, 1))

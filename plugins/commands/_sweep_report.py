@@ -125,10 +125,20 @@ def trial_rows(study: Any, spec: Any) -> list[list[Any]]:
         if t.user_attrs.get("interrupted"):
             state = "interrupted"
         rows.append([t.number, state, f"trials/{t.user_attrs['folder']}" if "folder" in t.user_attrs else "",
-                     *(t.params.get(p.path) for p in spec.space), t.value,
-                     *(t.user_attrs.get("results", {}).get(k) for k in results), t.user_attrs.get("pruned_at_step"), t.user_attrs.get("seconds"),
+                     # A pruned trial's value is its last intermediate one, an eval loss: not the metric.
+                     *(t.params.get(p.path) for p in spec.space), t.value if t.state.name == "COMPLETE" else None,
+                     *(t.user_attrs.get("results", {}).get(k) for k in results), t.user_attrs.get("pruned_at_step"),
+                     _last_eval_loss(t, spec), t.user_attrs.get("seconds"),
                      t.user_attrs.get("error", "")])
     return rows
+
+
+def _last_eval_loss(trial: Any, spec: Any) -> float | None:
+    """The eval loss a pruned trial was stopped at (intermediate values are negated when maximising)."""
+    if trial.state.name != "PRUNED" or not trial.intermediate_values:
+        return None
+    value = trial.intermediate_values[max(trial.intermediate_values)]
+    return -value if spec.direction == "maximize" else value
 
 
 def write_report(folder: Path, study: Any, spec: Any, seconds: dict[str, float]) -> tuple[Path, Path]:
@@ -153,7 +163,7 @@ def write_report(folder: Path, study: Any, spec: Any, seconds: dict[str, float])
         head.append(Table("Best parameters", ["parameter", "value"], [[k, v] for k, v in best.params.items()],
                           note="best_plan.toml holds them"))
     columns = ["trial", "state", "run folder", *(p.path for p in spec.space), spec.metric,
-               *result_keys(study, spec), "pruned at step",
+               *result_keys(study, spec), "pruned at step", "eval loss there",
                "seconds", "error"]
     tail = [Table("Trials", columns, trial_rows(study, spec))]
     plots = make_plots(folder, study, spec)

@@ -295,3 +295,21 @@ def test_real_size_tiny_mode(tmp_path):
         trained = r["memory"]["sft: trained"]["peak_rss_mib"]
         assert f"| {kind} | train (" in out and f"| {trained:,.0f} | {r['estimate_mib']:,.0f} |" in out
     assert "time model:" in out and runs["lora"]["predicted_step_s"] > 0
+
+
+@pytest.mark.slow
+def test_sweep_tiny_mode(tmp_path):
+    """Three arms of a 3-trial sweep: the table and ratios are the measured ones, and the plain and
+    shared arms (the same sampler, no pruning) try the same trials, so they find the same best."""
+    out = bench("sweep.py", "--tiny", "--json", str(tmp_path / "r.json"), timeout=1800)
+    result = json.loads((tmp_path / "r.json").read_text())
+    arms = result["arms"]
+    assert set(arms) == {"plain", "shared", "pruned"}
+    assert arms["plain"]["best"] == arms["shared"]["best"] and arms["plain"]["best_params"] == arms["shared"]["best_params"]
+    assert arms["plain"]["models"] is None and arms["shared"]["models"]["built"] == 2
+    for arm in arms.values():
+        assert arm["complete"] + arm["pruned"] == 3
+    rows = {r[0]: r for r in table_rows(out)}
+    assert float(rows["plain"][3]) == arms["plain"]["wall_seconds"]
+    ratio = arms["shared"]["wall_seconds"] / arms["plain"]["wall_seconds"]
+    assert f"shared stages and base kept: {ratio:.2f}x" in out

@@ -65,6 +65,28 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 
 
 @pytest.fixture
+def qwen25_tiny_model(tmp_path):
+    """A 1-layer Qwen2 with the real Qwen2.5 tokenizer (and its native template), saved as a HF folder."""
+    folder = SHARED / "tokenizers" / "qwen25"
+    if not folder.exists():
+        pytest.skip("../shared/fixtures/tokenizers/qwen25 not present")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                                  max_position_embeddings=256, tie_word_embeddings=True,
+                                  eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    out = tmp_path / "base-model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
 def tiny_project(tmp_path: Path):
     """A folder with tiny text and chat data, and a function that writes a plan there."""
     write_jsonl(tmp_path / "text.jsonl", text_rows(64))

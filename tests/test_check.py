@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, chat_rows, run_cli, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def failed_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("check failed:")]
 
 
-@pytest.mark.parametrize("example", ["quickstart", "dpo", "rlhf"])
+@pytest.mark.parametrize("example", ["quickstart", "dpo", "rlhf", "sweep"])
 def test_check_passes_on_every_example_plan_and_writes_no_run(tmp_path, example):
     for name in {"quickstart", example}:  # the dpo and rlhf plans read the quickstart's data
         shutil.copytree(ROOT / "examples" / name, tmp_path / name, ignore=shutil.ignore_patterns("runs"))
@@ -82,3 +83,44 @@ def test_a_healthy_tiny_stage_passes_and_learns_the_batch(tiny_project):
     line = next(line for line in r.stdout.splitlines() if line.startswith("overfit one batch"))
     first, last = (float(x) for x in line.rsplit("loss ", 1)[1].split(" -> "))
     assert last < 0.75 * first  # what "passes" means, read back from the printed losses
+
+
+def test_check_and_lr_find_on_a_real_tokenizer_and_its_native_template(tmp_path, qwen25_tiny_model):
+    """The Qwen2.5 tokenizer from ../shared with its own chat template (which adds a default system
+    prompt): the rows check renders train the answers alone, and lr-find suggests a rate."""
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+    plan = tmp_path / "plan.toml"
+    plan.write_text("""
+[model]
+use = "hf"
+path = "base-model"
+dtype = "float32"
+
+[template]
+use = "native"
+
+[data.chat]
+use = "jsonl"
+path = "chat.jsonl"
+
+[[stage]]
+trainer = "sft"
+data = "chat"
+adapter = "full"   # a LoRA of 2k parameters on a random 1-layer model cannot overfit a 152k vocabulary
+batch_size = 4
+learning_rate = 1e-2
+""")
+    r = run_cli("check", str(plan))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "all checks passed" in r.stdout and "<|im_start|>system" in r.stdout  # Qwen2.5's own rendering
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(qwen25_tiny_model)
+    first = chat_rows(1)[0]["messages"]
+    answer = len(tok(first[-1]["content"] + "<|im_end|>", add_special_tokens=False).input_ids)
+    total = len(tok.apply_chat_template(first, tokenize=True, return_dict=True)["input_ids"])
+    # The first row: the conversation as the tokenizer renders it; the answer and its end-of-turn token train.
+    assert f"row 1: {total} tokens, {answer} trained" in r.stdout, r.stdout[:3000]
+    found = run_cli("lr-find", str(plan), "--steps", "30", "--json", "--plot", str(tmp_path / "lr.png"))
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert 1e-7 < json.loads(found.stdout.strip().splitlines()[-1])["suggestion"] < 1

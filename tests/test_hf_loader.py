@@ -7,33 +7,12 @@ import json
 
 import pytest
 
-from conftest import SHARED, chat_rows, run_cli, write_jsonl
+from conftest import chat_rows, run_cli, write_jsonl
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def local_model(tmp_path):
-    folder = SHARED / "tokenizers" / "qwen25"
-    if not folder.exists():
-        pytest.skip("../shared/fixtures/tokenizers/qwen25 not present")
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
-    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
-                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
-                                  max_position_embeddings=256, tie_word_embeddings=True,
-                                  eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    out = tmp_path / "base-model"
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def test_hf_loader_native_template_sft_and_merged_export(tmp_path, local_model):
+def test_hf_loader_native_template_sft_and_merged_export(tmp_path, qwen25_tiny_model):
     from transformers import AutoModelForCausalLM
 
     write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
@@ -85,9 +64,9 @@ use = "merged"
 
     merged = AutoModelForCausalLM.from_pretrained(run / "exports" / "merged")
     tok = AutoTokenizer.from_pretrained(run / "exports" / "merged")
-    assert merged.config.vocab_size == AutoModelForCausalLM.from_pretrained(local_model).config.vocab_size
+    assert merged.config.vocab_size == AutoModelForCausalLM.from_pretrained(qwen25_tiny_model).config.vocab_size
     # The native template needed no new tokens, and the exported tokenizer renders it unchanged.
-    assert tok.chat_template == AutoTokenizer.from_pretrained(local_model).chat_template
+    assert tok.chat_template == AutoTokenizer.from_pretrained(qwen25_tiny_model).chat_template
 
 
 def test_unreachable_hub_id_is_one_clear_line(tmp_path):
@@ -116,7 +95,7 @@ data = "chat"
     assert not (tmp_path / "runs").exists()
 
 
-def test_secrets_never_reach_the_manifest(tmp_path, local_model):
+def test_secrets_never_reach_the_manifest(tmp_path, qwen25_tiny_model):
     write_jsonl(tmp_path / "chat.jsonl", chat_rows(4))
     plan = tmp_path / "plan.toml"
     plan.write_text("""

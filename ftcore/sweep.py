@@ -35,7 +35,7 @@ PRUNERS = ("median", "hyperband", "none")
 DIRECTIONS = ("minimize", "maximize")
 KEYS = {"sampler": str, "trials": int, "metric": str, "direction": str, "pruner": str, "seed": int,
         "storage": str, "startup_trials": int, "prune_startup_trials": int, "prune_warmup_steps": int,
-        "share_stages": bool, "space": dict}
+        "share_stages": bool, "study": str, "space": dict}
 RANGE_KEYS = ("low", "high", "log", "step", "choices")
 EVAL_LOSS = "eval_loss"
 # Keys a trial sets itself: a value from the search would move its run folder.
@@ -94,6 +94,7 @@ class Sweep:
     prune_startup_trials: int = 3  # finished trials before any is pruned
     prune_warmup_steps: int = 0  # steps of a trial before it may be pruned
     share_stages: bool = True  # train the stages before the first searched one once; keep models in memory
+    study: str | None = None  # the Optuna study's name; default: the plan's run name
 
     def first_searched_stage(self, stages: int) -> int:
         """Index of the first stage a trial's values can change; those before it are the same in every
@@ -236,7 +237,7 @@ def read(section: Any, problem: Any) -> Sweep | None:
     return Sweep(sampler, trials, section["metric"], section["direction"], section.get("pruner", "median"),
                  tuple(params), section.get("seed"), section.get("storage"), section.get("startup_trials"),
                  section.get("prune_startup_trials", 3), section.get("prune_warmup_steps", 0),
-                 section.get("share_stages", True))
+                 section.get("share_stages", True), section.get("study"))
 
 
 def _param(path: str, spec: Any, problem: Any) -> Param | None:

@@ -264,3 +264,26 @@ def test_a_plan_without_a_sweep_is_refused(tiny_project):
     path = tiny_project(STAGES)
     r = run_cli("sweep", str(path))
     assert r.returncode == 2 and "has no [sweep] table" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_two_workers_share_one_study(tiny_project):
+    """Optuna's own distributed mode: two processes, one SQLite storage and study, a folder each."""
+    db = tiny_project.dir / "study.db"
+    paths = []
+    for name in ("w1", "w2"):
+        path = sweep_plan(tiny_project, sampler="random", trials=4, pruner="none",
+                          space='"stage.sft.learning_rate" = { low = 1e-4, high = 1e-2, log = true }')
+        text = path.read_text().replace('name = "tiny"', f'name = "{name}"')
+        paths.append(tiny_project.dir / f"{name}.toml")
+        paths[-1].write_text(text.replace("[sweep]", f'[sweep]\nstudy = "shared"\nstorage = "sqlite:///{db}"'))
+    procs = [subprocess.Popen([sys.executable, "-m", "ftcore", "sweep", str(p)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for p in paths]
+    for proc in procs:
+        assert proc.wait(timeout=1800) == 0, proc.stderr.read()[-2000:]
+    with sqlite3.connect(db) as con:
+        assert con.execute("select study_name from studies").fetchall() == [("shared",)]
+        numbers = [n for (n,) in con.execute("select number from trials where state = 'COMPLETE'")]
+    assert 4 <= len(numbers) <= 5  # each worker stops once 4 are finished; one more at most
+    folders = [int(f.name) for name in ("w1", "w2") for f in (tiny_project.dir / "runs" / name / "trials").iterdir()]
+    assert sorted(folders) == sorted(numbers)  # every trial ran once, in one worker's folder

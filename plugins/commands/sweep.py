@@ -165,10 +165,20 @@ class Sweeper:
         # A shared database (several machines on one study) needs heartbeats to find trials whose
         # process died elsewhere; trials of a dead process on this machine are found by their pid.
         shared = spec.storage is not None and not spec.storage.startswith("sqlite")
-        storage = optuna.storages.RDBStorage(self.storage_url(), heartbeat_interval=60 if shared else None,
-                                             grace_period=600 if shared else None)
+        for attempt in range(5):
+            try:
+                storage = optuna.storages.RDBStorage(self.storage_url(), heartbeat_interval=60 if shared else None,
+                                                     grace_period=600 if shared else None)
+                break
+            except Exception as exc:  # noqa: BLE001 - workers starting together race to create the tables
+                if attempt == 4:
+                    first = (str(exc).strip().splitlines() or [""])[0]
+                    raise FtcoreError(f"sweep.storage: cannot open {self.storage_url(redact=True)}: "
+                                      f"{type(exc).__name__}: {first}") from None
+                time.sleep(1 + attempt)
         self.storage = storage
-        return optuna.create_study(storage=storage, sampler=sampler, pruner=pruner, study_name=self.plan.run_name,
+        return optuna.create_study(storage=storage, sampler=sampler, pruner=pruner,
+                                   study_name=spec.study or self.plan.run_name,
                                    direction=spec.direction, load_if_exists=True)
 
     def requeue_interrupted(self, study: Any) -> list[int]:
@@ -254,6 +264,10 @@ class Sweeper:
         from ftcore.runner import calling
 
         trial_dir = self.folder / "trials" / str(best.user_attrs["folder"])
+        if not trial_dir.is_dir():  # another machine or worker of a shared study ran it
+            self.say(f"the best trial ({best.number}) ran in another worker's sweep folder: register it there, "
+                     f"with this plan's registry export, by running this sweep there with --resume")
+            return []
         done = rundir.read_json(trial_dir / "exports.json") or {}
         reporter = Reporter(self.console, None, None, None)
         # The sweep's plan (its run name names the registered model), the best trial's folder.

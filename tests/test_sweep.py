@@ -287,3 +287,19 @@ def test_two_workers_share_one_study(tiny_project):
     assert 4 <= len(numbers) <= 5  # each worker stops once 4 are finished; one more at most
     folders = [int(f.name) for name in ("w1", "w2") for f in (tiny_project.dir / "runs" / name / "trials").iterdir()]
     assert sorted(folders) == sorted(numbers)  # every trial ran once, in one worker's folder
+
+
+def test_a_storage_that_cannot_open_is_one_line_and_the_fixed_plan_starts_over(tiny_project):
+    path = sweep_plan(tiny_project)
+    path.write_text(path.read_text().replace("[sweep]", '[sweep]\nstorage = "postgresql://me:s3cret@127.0.0.1:1/x"'))
+    r = run_cli("sweep", str(path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: sweep.storage: cannot open postgresql://me:***@127.0.0.1:1/x")
+    folder = tiny_project.dir / "runs" / "tiny"
+    assert "s3cret" not in (folder / "sweep.json").read_text()
+    # Nothing ran: after the fix the same command starts over, without --resume.
+    path.write_text(path.read_text().replace('storage = "postgresql://me:s3cret@127.0.0.1:1/x"\n', "")
+                    .replace("trials = 3", "trials = 1"))
+    again = run_cli("sweep", str(path))
+    assert again.returncode == 0, again.stderr[-2000:]

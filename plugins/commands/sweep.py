@@ -112,6 +112,11 @@ class Sweeper:
         fingerprint = self.fingerprint()
         if manifest.exists():
             previous = rundir.read_json(manifest) or {}
+            if previous.get("status") == "failed" and not any((self.folder / d).exists() for d in ("trials", "shared")):
+                # It stopped before any run (a storage it could not open): nothing here is worth keeping.
+                for name in (MANIFEST, STUDY_DB):
+                    (self.folder / name).unlink(missing_ok=True)
+                return self.claim_folder()
             if previous.get("fingerprint") != fingerprint:
                 raise FtcoreError(f"{self.folder}: holds a sweep of a different plan or space ({previous.get('plan_path')}); "
                                   "change run.name to sweep into another folder")
@@ -171,7 +176,7 @@ class Sweeper:
                                                      grace_period=600 if shared else None)
                 break
             except Exception as exc:  # noqa: BLE001 - workers starting together race to create the tables
-                if attempt == 4:
+                if attempt == 4 or isinstance(exc, ImportError):  # a driver missing is no race
                     first = (str(exc).strip().splitlines() or [""])[0]
                     raise FtcoreError(f"sweep.storage: cannot open {self.storage_url(redact=True)}: "
                                       f"{type(exc).__name__}: {first}") from None

@@ -303,3 +303,29 @@ def test_a_storage_that_cannot_open_is_one_line_and_the_fixed_plan_starts_over(t
                     .replace("trials = 3", "trials = 1"))
     again = run_cli("sweep", str(path))
     assert again.returncode == 0, again.stderr[-2000:]
+
+
+@pytest.mark.parametrize("sampler,pruner,kinds", [
+    ("tpe", "median", ("TPESampler", "MedianPruner")), ("random", "hyperband", ("RandomSampler", "HyperbandPruner")),
+    ("grid", "none", ("GridSampler", "NopPruner")), ("cmaes", "median", ("CmaEsSampler", "MedianPruner"))])
+def test_each_sampler_and_pruner_is_optunas_own(tiny_project, sampler, pruner, kinds):
+    from ftcore.plan import load_plan
+    from ftcore.plugins import get_plugin_manager
+
+    from ftcore_plugins.commands.sweep import Sweeper
+
+    space = SPACE if sampler == "grid" else '"stage.sft.learning_rate" = { low = 1e-4, high = 1e-2, log = true }\n' \
+                                            '"stage.sft.adapter.r" = { low = 4, high = 16, step = 4 }'
+    path = sweep_plan(tiny_project, space=space, sampler=sampler, pruner=pruner)
+    pm = get_plugin_manager()
+    sweeper = Sweeper(load_plan(path, pm.registry()), pm, None, str(path), resume=False)
+    sweeper.folder.mkdir(parents=True)
+    study = sweeper.study()
+    assert (type(study.sampler).__name__, type(study.pruner).__name__) == kinds
+    assert study.study_name == "tiny" and (sweeper.folder / "study.db").exists()
+    if sampler != "grid":
+        trial = study.ask()
+        from ftcore_plugins.commands.sweep import suggest
+
+        values = [suggest(trial, p) for p in sweeper.spec.space]
+        assert 1e-4 <= values[0] <= 1e-2 and values[1] in (4, 8, 12, 16)

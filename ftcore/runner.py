@@ -290,8 +290,9 @@ class Runner:
             return
 
         if before:
-            model, tokenizer = self._load_base()
-            self._evaluate("before", model, tokenizer)
+            # No local name for the model: one here would hold it (trained and merged in place) through
+            # the exports, after an exporter releases it.
+            self._evaluate("before", *self._load_base())
         for stage in plan.stages[:max(last_done, 0)]:  # finished stages whose evaluation did not (killed between)
             if between[stage.name]:
                 self._evaluate(stage.name, *self.model_at(stage.name))

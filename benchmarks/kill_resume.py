@@ -91,10 +91,10 @@ def moment(kind: str, run: Path, rng: random.Random, total_steps: int):
 
 
 def records(run: Path) -> dict[tuple[str, int], float]:
-    from ftcore_plugins.commands.report import _records
+    from ftcore_plugins.commands.report import read_records
 
     out = {}
-    for r in _records(run):
+    for r in read_records(run):
         if "loss" in r and r.get("step") is not None and r["stage"] in ("pretrain", "sft"):
             key = (r["stage"], r["step"])
             assert key not in out, f"two points for {key} after latest_attempts"

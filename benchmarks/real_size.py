@@ -143,6 +143,7 @@ def run_plan(work: Path, kind: str, a: argparse.Namespace) -> dict:
     tokens_per_step = stage["tokens"] / a.steps
     return {"kind": kind, "memory": summary["memory"], "steps": steps, "step_times": times,
             "estimate_mib": predicted["stages"][0]["mib"]["total"],
+            "weights_mib": predicted["stages"][0]["mib"]["weights"],
             "perplexity": {p: summary["evaluations"][p]["perplexity"]["perplexity"] for p in ("before", "after")},
             "flops_per_token": stage["flops_per_token"], "tokens_per_step": tokens_per_step,
             "cpu_flops": timed["peak_flops"],
@@ -185,12 +186,16 @@ def main() -> None:
         error = trained / r["estimate_mib"] - 1
         print(f"| {r['kind']} | train ({len(r['step_times']) + 1} steps) | {r['steps']['sft']:.1f} | {trained:,.0f} | "
               f"{r['estimate_mib']:,.0f} | {error:+.1%} | | | |")
+        # The model the run holds: its weights as loaded (fp32 for LoRA; 4-bit linear layers with the fp32
+        # embedding for QLoRA), as `ftcore estimate` counts them from the config.
+        held = r["weights_mib"]
         for point, values in mem.items():
             if point.startswith("export:"):
                 # The process baseline: its RSS when the export began less the model it held (heap that
-                # training freed but the allocator kept is in both the baseline and the peak).
+                # training freed but the allocator kept is in both the baseline and the peak); the bound
+                # adds 1.3x the exported model, fp32.
                 peak, start = values["peak_rss_mib"], values["rss_before_mib"]
-                bound = start - size_mib + 1.3 * size_mib
+                bound = start - held + 1.3 * size_mib
                 print(f"| {r['kind']} | {point} | {r['steps'].get(point, 0):.1f} | {peak:,.0f} | | | {start:,.0f} | "
                       f"{bound:,.0f} | {peak / bound:.2f} |")
     print()

@@ -183,7 +183,8 @@ def test_loss_kernels_tiny_mode(tmp_path):
     for row in rows:
         assert row["loss"] == pytest.approx(full["loss"], abs=1e-5)
         assert row["max_grad_diff"] < 1e-5
-        assert row["step_s"] > 0 and row["peak_above_mib"] >= 0
+        # A step that reuses pages freed before it can measure a hair below its baseline (-0.1 MiB seen).
+        assert row["step_s"] > 0 and row["peak_above_mib"] >= -1
         # The table's ratios are the measured values'.
         cells = printed[row["kernel"]]
         assert float(cells[3]) == pytest.approx(row["step_s"], abs=1e-3)  # printed to 3 decimals

@@ -430,12 +430,12 @@ def test_killed_and_signalled_runs_resume_with_the_same_losses_as_an_uninterrupt
         assert abs(loss - expected[step]) <= 1e-6, (step, loss, expected[step])
 
     # Four processes logged steps (a killed one perhaps some twice); the report keeps the last attempt's.
-    from ftcore_plugins.commands.report import _records
+    from ftcore_plugins.commands.report import read_records
 
     attempts = [r["attempt"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                 if r["stage"] == "sft" and "loss" in r]
     assert sorted(set(attempts)) == [1, 2, 3, 4]
-    assert sorted(r["step"] for r in _records(run) if r["stage"] == "sft" and "loss" in r) == list(range(1, 23))
+    assert sorted(r["step"] for r in read_records(run) if r["stage"] == "sft" and "loss" in r) == list(range(1, 23))
 
     # The stage's totals cover all 22 steps, not those since the last resume: equal where deterministic.
     whole = json.loads((tiny_project.dir / "runs" / "reference" / "summary.json").read_text())["stages"]["sft"]

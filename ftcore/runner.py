@@ -262,7 +262,7 @@ class Runner:
 
     def _kept(self, key: list[Any], build: Any) -> tuple[Any, Any]:
         """``build()``, or a copy of what it built in an earlier run of this process (``models``). The
-        quantizer in use is part of the key: a QLoRA merge rebuilds the same model without it."""
+        quantizer in use is part of the key, to be safe: a model loaded through another one differs."""
         if self.models is None:
             return build()
         key = [*key, type(self.quantizer).__qualname__, self.quantizer.options.model_dump(mode="json")]
@@ -396,7 +396,9 @@ class Runner:
                 model = stage.adapter.create().restore(model, folder, self.adapter_context())
             return model, state.tokenizer
 
-        model, tokenizer = self._kept(["stage", str(folder.resolve()), marker.get("finished_at")], restore)
+        # Only stages every run of this process shares are kept; a run's own would pile up, one per run.
+        model, tokenizer = self._kept(["stage", str(folder.resolve()), marker.get("finished_at")], restore) \
+            if stage.name in self.shared_stages and output is None else restore()
         self.reporter.info(f"stage [bold]{stage.name}[/] is complete: restored its output")
         return ModelState(model, tokenizer, stage.adapter, started)
 
@@ -580,8 +582,9 @@ class Runner:
     def _full_precision_base(self, state: ModelState) -> Any:
         """The model ``state``'s adapter was applied to, rebuilt with the quantizer skipped."""
         none = self.pm.registry().resolve("quantizer", "none").cls
-        quantizer, cached = self.quantizer, self._base
-        self.quantizer, self._base = none(none.Options()), None
+        quantizer, cached, models = self.quantizer, self._base, self.models
+        # Built for this export alone: not kept across a sweep's runs (a full-precision copy per process).
+        self.quantizer, self._base, self.models = none(none.Options()), None, None
         try:
             under = self._materialize(state.adapter_from - 1)
             model = under.model
@@ -590,7 +593,7 @@ class Runner:
                     model = under.adapter.create().merge(model)
             return model
         finally:
-            self.quantizer, self._base = quantizer, cached
+            self.quantizer, self._base, self.models = quantizer, cached, models
 
     def _provenance(self) -> dict[str, Any]:
         manifest = rundir.read_json(self.run_dir / rundir.MANIFEST) or {}

@@ -76,3 +76,60 @@ use = "merged"
     assert stage["memory/peak_rss_mib"] == memory["sft: trained"]["peak_rss_mib"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r["stage"] == "memory" and "sft: trained/peak_rss_mib" in r for r in records)
+
+
+def test_an_export_that_releases_the_model_frees_it(tiny_project):
+    """After the last export releases the model (``release_model()``), nothing in the run holds it:
+    the base model, trained and merged in place, must not outlive it in a runner's local name (the
+    before-evaluation's once did, through every export)."""
+    import gc
+    import weakref
+
+    import ftcore
+    from ftcore.component import Component
+    from ftcore.plan import load_plan
+    from ftcore.plugins import get_plugin_manager
+    from ftcore.runner import Runner
+
+    alive = {}
+
+    class Releasing(Component):
+        """Drops the model as the gguf and merged exporters do when they are last."""
+
+        name = "releasing"
+        merges = True
+
+        def export(self, ctx):
+            refs = [weakref.ref(ctx.model), weakref.ref(ctx.model.get_base_model())]
+            assert ctx.consume and ctx.last and ctx.release_model is not None
+            ctx.model = None
+            ctx.release_model()
+            gc.collect()
+            alive["after release"] = [type(r()).__name__ for r in refs if r() is not None]
+            ctx.path.mkdir(parents=True)
+            return ctx.path
+
+    class Plugin:
+        @ftcore.hookimpl
+        def register_exporters(self, register):
+            register(Releasing)
+
+    pm = get_plugin_manager(entry_points=False)
+    pm.register(Plugin(), name="releasing-test")
+    path = tiny_project("""
+[[stage]]
+trainer = "sft"
+data = "chat"
+adapter = { use = "lora", r = 4 }
+max_steps = 2
+batch_size = 4
+
+[[evaluate]]
+use = "perplexity"
+data = "chat_eval"
+
+[[export]]
+use = "releasing"
+""")
+    Runner(load_plan(path, pm.registry()), pm, None).run()
+    assert alive == {"after release": []}

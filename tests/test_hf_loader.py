@@ -133,3 +133,43 @@ max_new_tokens = 4
         if path.is_file():
             text = path.read_text(errors="ignore")
             assert "hf_SECRET_value_123" not in text and "hf_ENV_secret_456" not in text, path
+
+
+def test_a_bf16_checkpoint_loads_at_float32_tensor_by_tensor(tmp_path):
+    """``dtype = "float32"`` from a bf16 checkpoint: read in bf16 (the file's pages untouched), raised
+    one tensor at a time with each one's file pages handed back. The weights equal transformers' own
+    float32 load bit for bit, and tied weights stay tied."""
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen2", vocab_size=4096, hidden_size=256, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                                  tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    probe = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from ftcore_plugins.models._upcast import upcast
+from ftcore_plugins.models.hf import HFModelLoader
+loader = HFModelLoader(HFModelLoader.Options(path=sys.argv[1], dtype="float32"))
+stored = loader._stored_dtype({})
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=stored)
+released = upcast(model, torch.float32)
+ref = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+print(json.dumps({"stored": stored, "released": released,
+                  "bf16_bytes": sum(p.numel() * 2 for p in ref.parameters()),
+                  "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                  "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                  "equal": all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))}))
+"""
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "bf16")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["stored"] == "bfloat16" and result["dtypes"] == ["torch.float32"]
+    assert result["tied"] and result["equal"]
+    if sys.platform.startswith("linux"):  # the file's pages were handed back (but those shared by two tensors)
+        assert result["released"] > 0.9 * result["bf16_bytes"], result

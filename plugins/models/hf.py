@@ -44,8 +44,34 @@ class HFModelLoader(Component):
         kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
         if o.attn_implementation:
             kwargs["attn_implementation"] = o.attn_implementation
+        stored = self._stored_dtype(kwargs)
+        if stored is not None:  # read in its own dtype, then raised tensor by tensor (see _upcast)
+            kwargs["dtype"] = stored
         model = self._load("path", AutoModelForCausalLM, o.path, **self._common(), **kwargs)
+        if stored is not None:
+            from ftcore_plugins.models._upcast import upcast
+
+            import torch
+
+            upcast(model, torch.float32)
         return model, tokenizer
+
+    def _stored_dtype(self, kwargs: dict) -> str | None:
+        """The checkpoint's own half-precision dtype when the plan asks for float32 from a local folder
+        of safetensors, without a quantizer; else None (transformers converts as it loads)."""
+        import json
+
+        o = self.options
+        folder = Path(o.path)
+        if o.dtype != "float32" or "quantization_config" in kwargs or not folder.is_dir() \
+                or not any(folder.glob("*.safetensors")):
+            return None
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        stored = config.get("dtype") or config.get("torch_dtype")
+        return stored if stored in ("bfloat16", "float16") else None
 
     def load_tokenizer(self, ctx):
         """The tokenizer alone (``ftcore prepare`` reads no weights)."""

@@ -98,7 +98,8 @@ class Sweeper:
         self.models = ModelCache() if self.spec.share_stages else None
         stages = plan.stages
         self.shared = stages[:self.spec.first_searched_stage(len(stages))] if self.spec.share_stages else []
-        self.pruned_stage = stages[self.spec.pruned_stage(len(stages))]
+        # The stage whose eval loss pruning reads (none in a plan without stages, e.g. evaluations alone).
+        self.pruned = stages[self.spec.pruned_stage(len(stages))].name if stages else ""
         self.registries = [_Indexed(i, e) for i, e in enumerate(plan.exports)
                            if getattr(e.exporter.reg.cls, "reads_exports", False)]
         self.seconds = {"shared": 0.0, "trials": 0.0}
@@ -303,7 +304,7 @@ class Sweeper:
                                                       else "") + f": {shown}")
         plan = check_plan(self.trial_raw(values, folder, self.folder / "trials"), self.plan.path, self.pm.registry(),
                           shown=f"{self.shown} [trial {trial.number}]")
-        watch = EvalLossWatch(trial, self.pruned_stage.name, -1.0 if spec.direction == "maximize" else 1.0)
+        watch = EvalLossWatch(trial, self.pruned, -1.0 if spec.direction == "maximize" else 1.0)
         name = f"ftcore-sweep-trial-{trial.number}"
         self.pm.register(watch, name=name)
         shared = {s.name: self.folder / "shared" / "stages" / s.name for s in self.shared}
@@ -334,7 +335,7 @@ class Sweeper:
         trial.set_user_attr("results", {f"{ev}/{k}": v for ev, values in summary.get("evaluations", {}).get("after", {})
                                         .items() for k, v in values.items() if k not in ("n", "tokens")
                                         and isinstance(v, (int, float)) and not isinstance(v, bool)})
-        value = metric_value(summary, spec.metric, plan.run_dir, self.pruned_stage.name)
+        value = metric_value(summary, spec.metric, plan.run_dir, self.pruned)
         self.say(f"trial {trial.number}: {spec.metric} = {value:.6g} ({seconds:.1f} s)")
         return value
 

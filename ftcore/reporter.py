@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from . import rundir
+
 log = logging.getLogger("ftcore")
 
 
@@ -90,9 +92,7 @@ class Reporter:
         path = self.metrics_path.with_name("data_report.json")
         report = json.loads(path.read_text()) if path.exists() else {}
         report[name] = {**report.get(name, {}), **values}
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        rundir.write_text(path, json.dumps(report, indent=2) + "\n")
         log.info("data %s: %s", name, json.dumps(values))
 
     def table(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:

@@ -177,11 +177,16 @@ def run_status(error: BaseException | None) -> str:
     return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
 
 
+def write_text(path: Path, text: str) -> None:
+    """Write atomically (beside it, then renamed) so a kill never leaves half a file behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write atomically so a kill never leaves half a marker behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def read_json(path: Path) -> Any | None:

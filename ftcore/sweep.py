@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +99,7 @@ class Sweep:
     def first_searched_stage(self, stages: int) -> int:
         """Index of the first stage a trial's values can change; those before it are the same in every
         trial. A value outside the stages (the model, the template, the data, ...) changes them all."""
-        found = [p.stage if p.stage is not None else 0 for p in self.space if p.keys[0] != "evaluate"
-                 and p.keys[0] != "export"]
+        found = [p.stage if p.stage is not None else 0 for p in self.space if p.keys[0] not in ("evaluate", "export")]
         return min(found, default=stages)
 
     def pruned_stage(self, stages: int) -> int:
@@ -310,10 +309,10 @@ def check(raw: dict[str, Any], path: Path, registry: Any, shown: str, plan: Any)
         if keys is None:
             problem(f'sweep.space."{p.path}"', why)
             continue
-        located.append(_with_keys(p, keys))
+        located.append(replace(p, keys=keys))
     if problems:
         return None, problems
-    sweep = _replace_space(sweep, located)
+    sweep = replace(sweep, space=tuple(located))
     for p in sweep.space:
         for value in p.extremes():
             try:
@@ -358,11 +357,3 @@ def _unknown_key(key: str, valid: Any) -> str:
     return f"unknown key {key!r}" + (f"{hint} Valid keys: " if hint else "; valid keys: ") + ", ".join(sorted(valid))
 
 
-def _with_keys(p: Param, keys: tuple[Any, ...]) -> Param:
-    return Param(p.path, keys, p.low, p.high, p.log, p.step, p.choices)
-
-
-def _replace_space(sweep: Sweep, space: list[Param]) -> Sweep:
-    from dataclasses import replace
-
-    return replace(sweep, space=tuple(space))

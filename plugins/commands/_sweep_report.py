@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ftcore import rundir
 from ftcore.summary import format_value
 
 from ftcore_plugins.commands.report import PLOT_DIR, PLOT_DPI, Plot, Table, render_html, render_markdown
@@ -108,6 +109,26 @@ def _set(doc: Any, keys: tuple[Any, ...], value: Any) -> None:
 
 # -- the report ----------------------------------------------------------------------------------------
 
+def best_trial(study: Any) -> Any:
+    """The best complete trial, or None when none completed."""
+    try:
+        return study.best_trial
+    except ValueError:
+        return None
+
+
+def state(trial: Any) -> str:
+    """``complete``, ``pruned``, ``fail`` or ``running``, or ``interrupted`` for a trial a stopped sweep left."""
+    return "interrupted" if trial.user_attrs.get("interrupted") else trial.state.name.lower()
+
+
+def state_counts(study: Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for t in study.trials:
+        counts[state(t)] = counts.get(state(t), 0) + 1
+    return counts
+
+
 def result_keys(study: Any, spec: Any) -> list[str]:
     """The evaluations after training that trials recorded, the sweep's metric left out."""
     keys: dict[str, None] = {}
@@ -121,10 +142,7 @@ def trial_rows(study: Any, spec: Any) -> list[list[Any]]:
     rows = []
     results = result_keys(study, spec)
     for t in study.trials:
-        state = t.state.name.lower()
-        if t.user_attrs.get("interrupted"):
-            state = "interrupted"
-        rows.append([t.number, state, f"trials/{t.user_attrs['folder']}" if "folder" in t.user_attrs else "",
+        rows.append([t.number, state(t), f"trials/{t.user_attrs['folder']}" if "folder" in t.user_attrs else "",
                      # A pruned trial's value is its last intermediate one, an eval loss: not the metric.
                      *(t.params.get(p.path) for p in spec.space), t.value if t.state.name == "COMPLETE" else None,
                      *(t.user_attrs.get("results", {}).get(k) for k in results), t.user_attrs.get("pruned_at_step"),
@@ -143,14 +161,7 @@ def _last_eval_loss(trial: Any, spec: Any) -> float | None:
 
 def write_report(folder: Path, study: Any, spec: Any, seconds: dict[str, float]) -> tuple[Path, Path]:
     """Write ``sweep.html``, ``sweep.md`` and the plots under ``report/`` into the sweep's folder."""
-    counts: dict[str, int] = {}
-    for t in study.trials:
-        state = "interrupted" if t.user_attrs.get("interrupted") else t.state.name.lower()
-        counts[state] = counts.get(state, 0) + 1
-    try:
-        best = study.best_trial
-    except ValueError:
-        best = None
+    counts, best = state_counts(study), best_trial(study)
     facts = [["study", study.study_name], ["sampler", spec.sampler], ["pruner", spec.pruner],
              ["metric", f"{spec.metric} ({spec.direction})"],
              ["trials", ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))],
@@ -171,9 +182,7 @@ def write_report(folder: Path, study: Any, spec: Any, seconds: dict[str, float])
     html_path, md_path = folder / "sweep.html", folder / "sweep.md"
     for path, text in ((md_path, render_markdown(head, tail, plots, title)),
                        (html_path, render_html(head, tail, plots, title))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        rundir.write_text(path, text)
     return html_path, md_path
 
 

@@ -441,9 +441,7 @@ def write_report(run_dir: Path | str) -> tuple[Path, Path]:
     (head, tail), plots = tables(run), make_plots(run)
     html_path, md_path = run.run_dir / "report.html", run.run_dir / "report.md"
     for path, text in ((md_path, render_markdown(head, tail, plots)), (html_path, render_html(head, tail, plots))):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        rundir.write_text(path, text)
     return html_path, md_path
 
 

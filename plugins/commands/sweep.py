@@ -349,27 +349,24 @@ class Sweeper:
     def finish(self, study: Any) -> None:
         from ftcore import rundir
 
-        from ftcore_plugins.commands._sweep_report import best_plan_text, write_report
+        from ftcore_plugins.commands._sweep_report import best_plan_text, best_trial, state_counts, write_report
 
-        best = _best(study)
+        best = best_trial(study)
         out: dict[str, Any] = {"status": "complete", "ended_at": rundir.now(), "seconds": self.seconds}
         if self.models is not None:
             out["models"] = {"built": self.models.built, "copied": self.models.copied}
         if best is not None:
-            path = self.folder / "best_plan.toml"
-            text = best_plan_text(self.plan, self.spec, best, self.folder)
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text, encoding="utf-8")
-            tmp.replace(path)
+            rundir.write_text(self.folder / "best_plan.toml", best_plan_text(self.plan, self.spec, best, self.folder))
             out["best"] = {"trial": best.number, "value": best.value, "params": best.params,
                            "folder": best.user_attrs.get("folder")}
             out["registered"] = [str(p) for p in self.register_best(best)]
         manifest = self.folder / MANIFEST
         rundir.write_json(manifest, {**(rundir.read_json(manifest) or {}), **out})
         html_path, _ = write_report(self.folder, study, self.spec, self.seconds)
-        counts = _counts(study)
-        self.say(f"sweep done: {counts.get('COMPLETE', 0)} finished, {counts.get('PRUNED', 0)} pruned, "
-                 f"{counts.get('FAIL', 0)} failed, in {self.seconds['wall']:.0f} s")
+        counts = state_counts(study)
+        failed = counts.get("fail", 0) + counts.get("interrupted", 0)
+        self.say(f"sweep done: {counts.get('complete', 0)} finished, {counts.get('pruned', 0)} pruned, "
+                 f"{failed} failed, in {self.seconds['wall']:.0f} s")
         if best is not None:
             self.say(f"best: trial {best.number}, {self.spec.metric} = {best.value:.6g}: "
                      + ", ".join(f"{k} = {_short(v)}" for k, v in best.params.items()))
@@ -438,20 +435,6 @@ def metric_value(summary: dict[str, Any], metric: str, run_dir: Path, stage: str
         raise FtcoreError(f"sweep.metric: evaluation {evaluation!r} gives no number {key!r}; it gives "
                           f"{', '.join(numbers) or 'none'}: write metric = \"{evaluation}/<one of them>\"")
     return float(value)
-
-
-def _best(study: Any) -> Any:
-    try:
-        return study.best_trial
-    except ValueError:  # no complete trial
-        return None
-
-
-def _counts(study: Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for t in study.trials:
-        counts[t.state.name] = counts.get(t.state.name, 0) + 1
-    return counts
 
 
 def _short(value: Any) -> str:

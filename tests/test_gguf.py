@@ -199,6 +199,35 @@ def test_llama_cpp_generates_the_same_greedy_tokens(trained):
     assert np.abs(f16 - q8_0).max() < 0.05 * np.abs(f16).max()
 
 
+
+@pytest.mark.slow
+def test_quantized_file_difference_recorded_is_llama_cpps(trained):
+    """The q8_0 file's logit difference in metrics.jsonl is llama.cpp's: recomputed here from the merged
+    folder (its saved chat template renders the exporter's prompts) and llama.cpp's logits on the file."""
+    import json
+
+    import torch
+
+    from ftcore_plugins.exporters.merged import PROMPTS as CHECK_PROMPTS
+
+    pytest.importorskip("llama_cpp")
+    records = [json.loads(line) for line in (trained.parent / "metrics.jsonl").read_text().splitlines()]
+    recorded = [r for r in records if r["stage"] == "export:gguf" and "q8_0 max_abs_logit_diff" in r][-1]
+    recorded = recorded["q8_0 max_abs_logit_diff"]
+    model, tokenizer = reference(trained / "merged")
+    llm = load_gguf(trained / "gguf" / "tiny-q8_0.gguf", n_ctx=128, logits_all=True, verbose=False)
+    diff = 0.0
+    for prompt in CHECK_PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+        llm.reset()
+        llm.eval(ids)
+        with torch.no_grad():
+            expected = model(torch.tensor([ids])).logits[0].numpy()
+        diff = max(diff, float(np.abs(llm.scores[: len(ids)] - expected).max()))
+    assert 0 < recorded == pytest.approx(diff, rel=1e-3)
+    assert "| q8_0 read back by | llama.cpp |" in (trained / "gguf" / "README.md").read_text()
+
 # llama itself is the trained model above (and mistral is written in llama's layout).
 ARCHITECTURES = [("mistral", "llama3", "llama-bpe"), ("qwen2", "qwen25", "qwen2")]
 

@@ -11,9 +11,10 @@ import glob
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 MiB = 2**20
+MADV_DONTNEED = 4  # Linux
 
 
 def _status() -> dict[str, int]:
@@ -55,6 +56,48 @@ def release() -> None:
             ctypes.CDLL(name).malloc_trim(0)
         except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
             pass
+
+
+def file_mappings(keep: Callable[[str], bool]) -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's memory mappings of the files whose path ``keep`` accepts
+    (from /proc/self/maps; none where it cannot be read)."""
+    out = []
+    try:
+        lines = Path("/proc/self/maps").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and keep(fields[5].strip()):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            out.append((start, end))
+    return out
+
+
+def release_pages(address: int, length: int, mappings: list[tuple[int, int]]) -> int:
+    """Drop the whole pages of ``[address, address + length)`` from the resident set
+    (``madvise(MADV_DONTNEED)``), if the range lies in one of ``mappings`` of read-only or private
+    file maps: a dropped page is read from the file again if ever touched, so nothing is lost. Pages
+    shared with a neighbouring range are kept. Returns the bytes released."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start, end = -(-address // page) * page, (address + length) // page * page
+    if end <= start or not any(lo <= address and address + length <= hi for lo, hi in mappings):
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+def release_mapped(paths: list[str]) -> int:
+    """Hand back the resident pages of this process's memory maps of ``paths`` (files only read):
+    a pass over a memory-mapped corpus otherwise keeps every page it touched in the resident set,
+    so RSS would grow with the corpus although the kernel could drop them. Returns bytes."""
+    wanted = {os.path.realpath(p) for p in paths}
+    return sum(release_pages(lo, hi - lo, [(lo, hi)]) for lo, hi in file_mappings(lambda f: f in wanted))
 
 
 def reset_peak() -> None:

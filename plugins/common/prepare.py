@@ -63,12 +63,24 @@ def data_fingerprint(rows: Any) -> str:
 
     h = hashlib.sha256()
     h.update(json.dumps(sorted(rows.column_names)).encode())
-    for table in rows.with_format("arrow").iter(batch_size=10_000):
+    for i, table in enumerate(rows.with_format("arrow").iter(batch_size=10_000)):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         h.update(sink.getvalue())
+        if i % 5 == 4:
+            release_input(rows)
+    release_input(rows)
     return h.hexdigest()
+
+
+def release_input(rows: Any) -> None:
+    """Hand back the pages of a memory-mapped input that a pass has read: they are the file's (the
+    kernel reads them again if needed), but while mapped they count in the resident set, which
+    would then grow with the corpus (measured: 131 -> 832 MiB from 0.25M to 2M rows)."""
+    from ftcore.memory import release_mapped
+
+    release_mapped([f["filename"] for f in getattr(rows, "cache_files", None) or []])
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -216,6 +228,7 @@ def encode_shards(rows: Any, work: Path, encoding: dict, reporter: Any, descript
                                   sink=lambda columns: writer.write_table(arrow_columns(columns)), **encoding)
                 writer.finalize()
             os.replace(written, work / f"{shard:05d}.arrow")
+            release_input(rows)
             np.save(work / f"{shard:05d}.lengths.npy", np.asarray(stats.lengths, dtype=np.int32))
             done.write_text(json.dumps({k: getattr(stats, k) for k in COUNTS}))  # last: the shard is finished
     return merged_stats(work, shards)

@@ -35,6 +35,7 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError, did_you_mean
 
 from ftcore_plugins.common import formats as F
+from ftcore_plugins.common.prepare import release_input
 from ftcore_plugins.data._quality import QualityOptions, clean_and_split
 
 log = logging.getLogger("ftcore")
@@ -197,8 +198,11 @@ class RowSource(Component):
         with _quiet_datasets():
             data = self._load(ctx)
         if not isinstance(self.options, QualityOptions):
+            release_input(data)
             return data
         parts = clean_and_split(data, self.options, self.stats, f"data.{ctx.name}", warn=ctx.reporter.warn)
+        for part in parts.values():
+            release_input(part)  # the pages the reading, filter and split passes touched
         dropped = {k[len("dropped_"):]: v for k, v in self.stats.items() if k.startswith("dropped_") and v}
         if dropped:
             ctx.reporter.info(f"data [bold]{ctx.name}[/]: dropped " + ", ".join(

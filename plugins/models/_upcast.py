@@ -11,37 +11,9 @@ fp32 model plus one tensor.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 from typing import Any
 
-MADV_DONTNEED = 4
-
-
-def file_mappings(suffix: str = ".safetensors") -> list[tuple[int, int]]:
-    """``(start, end)`` of this process's mappings of files ending in ``suffix``. safetensors maps the
-    file private and copy-on-write: a dropped page is read from the file again if ever touched."""
-    out = []
-    with open("/proc/self/maps", encoding="utf-8") as fh:
-        for line in fh:
-            fields = line.split()
-            if len(fields) >= 6 and fields[5].endswith(suffix):
-                start, end = (int(x, 16) for x in fields[0].split("-"))
-                out.append((start, end))
-    return out
-
-
-def release_pages(address: int, length: int, mappings: list[tuple[int, int]]) -> int:
-    """Drop the whole pages of ``[address, address + length)`` from the resident set, if the range
-    lies in one of ``mappings``; pages shared with a neighbouring tensor are kept. Returns bytes."""
-    page = mmap.PAGESIZE
-    start, end = -(-address // page) * page, (address + length) // page * page
-    if end <= start or not any(lo <= address and address + length <= hi for lo, hi in mappings):
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
-        return 0
-    return end - start
+from ftcore.memory import file_mappings, release_pages
 
 
 def upcast(model: Any, dtype: Any) -> int:
@@ -50,10 +22,8 @@ def upcast(model: Any, dtype: Any) -> int:
     tied. Returns the bytes of file pages released."""
     import torch
 
-    try:
-        mappings = file_mappings()
-    except OSError:  # no /proc (not Linux): convert without releasing
-        mappings = []
+    # safetensors maps the file private and copy-on-write; none where /proc cannot be read (not Linux)
+    mappings = file_mappings(lambda path: path.endswith(".safetensors"))
     done: dict[int, Any] = {}
     released = 0
     for module in model.modules():

@@ -303,7 +303,6 @@ def permute_for_rope(weights, n_head: int):
 
 def add_tensors(writer, config, arch: str, state: dict[str, Any], qtype) -> None:
     import gguf
-    import numpy as np
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for hf_name, data in state.items():

@@ -34,6 +34,9 @@ quantizer      ``prepare_meta(model) -> model``                  the model uncha
 quantizer      ``weight_bytes(model) -> int``                    ``load_kwargs()``'s
                                                                  ``quantization_config`` sized by
                                                                  transformers, else numel x dtype
+quantizer      ``step_bytes(model, *, device) -> int``           0: what a training step needs for
+                                                                 the quantized weights, beyond the
+                                                                 activations
 adapter        ``apply_meta(model, ctx)``, else ``apply``        every parameter trainable (an
                                                                  upper bound, with a note)
 trainer        ``memory_settings() -> dict``                     options named ``batch_size``,
@@ -271,6 +274,11 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
         with calling(plan.quantizer, "prepare_meta"):
             model = prepare(model)
     weights = _weight_bytes(plan, quantizer, model, loader, calling, sources, notes)
+    step = 0
+    fn = _optional(quantizer, "step_bytes")
+    if fn is not None:
+        with calling(plan.quantizer, "step_bytes"):
+            step = int(_call(fn, model, device=device))
     before = _param_bytes(model)
     residue = 0
     fn = _optional(loader, "checkpoint_residue_bytes")
@@ -333,6 +341,9 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
         sources["activations"] = "fallback: generic decoder formula"
         if not activations:
             notes.append("activations not modeled: the model config has no hidden_size/num_hidden_layers")
+    if step:
+        activations += step
+        sources["activations"] += f" + quantizer '{plan.quantizer.name}' step_bytes() {human(step)}"
     # The optimizer step's temporaries and the activations never coexist: count the larger.
     optimizer = state + max(0, temporaries - activations)
     if temporaries > activations:

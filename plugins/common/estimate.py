@@ -88,13 +88,17 @@ def hf_meta_model(loader: Any) -> tuple[Any, Any]:
 def hf_checkpoint_residue_bytes(loader: Any, quantized: bool) -> int:
     """``hf``: checkpoint pages that stay resident after loading, beyond the weights.
 
-    Quantizing while loading, transformers reads every weight from the memory-mapped
-    safetensors files and keeps the mapping alive (the unquantized weights still view it), so
-    the whole file stays in the process's RSS (clean page cache the kernel may reclaim under
-    pressure; measured: +212 MiB of file pages for a 209 MiB checkpoint). Unquantized, the
-    weights are the mapped pages themselves: nothing beyond them."""
+    Quantizing while loading, transformers reads every weight from the memory-mapped safetensors
+    files; the mapping, and every page read through it, stays alive while an unquantized weight
+    still views it. That is the case when the checkpoint is float32: the bitsandbytes preparation
+    keeps such weights (norms, embeddings) in float32, as views (measured: +212 MiB of file pages
+    for a 209 MiB float32 checkpoint). A half-precision checkpoint's are converted, the mapping
+    closes: nothing stays (measured on Qwen2.5-0.5B's bf16 checkpoint: the process's file pages
+    after loading are its libraries'). Unquantized, the weights are the mapped pages themselves."""
+    import torch
+
     folder = Path(loader.options.path)
-    if not quantized or not folder.is_dir():
+    if not quantized or not folder.is_dir() or _checkpoint_dtype(folder) != torch.float32:
         return 0
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
@@ -143,6 +147,24 @@ def _quantized_linears(model: Any, skip: list[str]) -> dict[str, Any]:
 
     return {path: m for path, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and path and not kept(path)}
+
+
+def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu") -> int:
+    """Heap a training step keeps on CPU for 4-bit weights, beyond the activations.
+
+    Without a 4-bit CPU kernel, bitsandbytes dequantizes each weight to the compute dtype for every
+    matmul (forward, the checkpointed recompute, backward). The copies are freed at once, but below
+    glibc's largest mmap threshold (32 MiB) they live on the heap, and interleaved with the
+    activations they fragment it: the step's peak grows by about one dequantized copy of every
+    quantized weight (measured with ``python benchmarks/real_size.py`` and the same plan at 12 layers:
+    0.78 and 1.0 of it beyond the rest of the estimate). On CUDA the caching allocator reuses them.
+    8-bit: not measured, counted as nothing."""
+    o = quantizer.options
+    if device == "cuda" or getattr(quantizer, "bits", 4) != 4:
+        return 0
+    quantized = _quantized_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
+    size = 2 if getattr(o, "bnb_4bit_compute_dtype", "auto") in ("bfloat16", "float16") else 4
+    return sum(m.weight.numel() for m in quantized.values()) * size
 
 
 def bnb_prepare_meta(quantizer: Any, model: Any) -> Any:

@@ -105,6 +105,11 @@ class BnbQuantizer(Component):
 
         return bnb_weight_bytes(self, model)
 
+    def step_bytes(self, model, *, device: str = "cpu") -> int:
+        from ftcore_plugins.common.estimate import bnb_step_bytes
+
+        return bnb_step_bytes(self, model, device=device)
+
 
 def keep_trainable_fp32(model) -> None:
     """Keep trainable parameters (the adapter) in fp32 while training a quantized model.

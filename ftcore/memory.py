@@ -78,7 +78,7 @@ def release_pages(address: int, length: int, mappings: list[tuple[int, int]]) ->
     """Drop the whole pages of ``[address, address + length)`` from the resident set
     (``madvise(MADV_DONTNEED)``), if the range lies in one of ``mappings`` of read-only or private
     file maps: a dropped page is read from the file again if ever touched, so nothing is lost. Pages
-    shared with a neighbouring range are kept. Returns the bytes released."""
+    shared with a neighbouring range are kept. Returns the bytes of the range advised."""
     import ctypes
     import mmap
 
@@ -95,7 +95,8 @@ def release_pages(address: int, length: int, mappings: list[tuple[int, int]]) ->
 def release_mapped(paths: list[str]) -> int:
     """Hand back the resident pages of this process's memory maps of ``paths`` (files only read):
     a pass over a memory-mapped corpus otherwise keeps every page it touched in the resident set,
-    so RSS would grow with the corpus although the kernel could drop them. Returns bytes."""
+    so RSS would grow with the corpus although the kernel could drop them. Returns the bytes of the
+    mappings advised (resident or not)."""
     wanted = {os.path.realpath(p) for p in paths}
     return sum(release_pages(lo, hi - lo, [(lo, hi)]) for lo, hi in file_mappings(lambda f: f in wanted))
 

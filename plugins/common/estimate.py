@@ -156,9 +156,10 @@ def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu") -> int:
     matmul (forward, the checkpointed recompute, backward). The copies are freed at once, but below
     glibc's largest mmap threshold (32 MiB) they live on the heap, and interleaved with the
     activations they fragment it: the step's peak grows by about one dequantized copy of every
-    quantized weight (measured with ``python benchmarks/real_size.py`` and the same plan at 12 layers:
-    0.78 and 1.0 of it beyond the rest of the estimate). On CUDA the caching allocator reuses them.
-    8-bit: not measured, counted as nothing."""
+    quantized weight (on Qwen2.5-0.5B's config at 24 and 12 layers the rest of the estimate fell short
+    by 0.78 and 1.0 of it: benchmarks/RESULTS.md, "A 0.5B-class model end to end"). A smaller model's
+    copies the heap may reuse instead (54.8M parameters: the estimate is then 19% high). On CUDA the
+    caching allocator reuses them. 8-bit: not measured, counted as nothing."""
     o = quantizer.options
     if device == "cuda" or getattr(quantizer, "bits", 4) != 4:
         return 0

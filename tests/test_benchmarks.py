@@ -314,3 +314,22 @@ def test_sweep_tiny_mode(tmp_path):
     assert float(rows["plain"][3]) == arms["plain"]["wall_seconds"]
     ratio = arms["shared"]["wall_seconds"] / arms["plain"]["wall_seconds"]
     assert f"shared stages and base kept: {ratio:.2f}x" in out
+
+
+@pytest.mark.slow
+def test_template_parity_tiny_mode(tmp_path):
+    """Both templates run through the example package, installed where only the benchmark's runs see it
+    and built from a copy (the package folder is left as it was); the table and the means agree with the
+    per-run results."""
+    before = sorted(p.name for p in (ROOT / "examples" / "ftcore-example-data").iterdir())
+    out = bench("template_parity.py", "--tiny", "--json", str(tmp_path / "r.json"), timeout=1800)
+    measured = json.loads((tmp_path / "r.json").read_text())
+    runs = {r["template"]: r for r in measured["results"]}
+    assert sorted(runs) == ["chatml", "turns"] and all(r["answers"] == 100 for r in runs.values())
+    row, mean = table_rows(out)
+    assert row == ["1", f"{runs['turns']['exact_match']:.2f}", f"{runs['turns']['stopped']}/100",
+                   f"{runs['chatml']['exact_match']:.2f}", f"{runs['chatml']['stopped']}/100"]
+    assert mean[1] == f"{measured['mean']['turns']:.3f}" and mean[3] == f"{measured['mean']['chatml']:.3f}"
+    diff = float(out.split("over 1 seed(s): ")[1].split()[0])
+    assert diff == pytest.approx(measured["mean"]["turns"] - measured["mean"]["chatml"], abs=5e-4)
+    assert sorted(p.name for p in (ROOT / "examples" / "ftcore-example-data").iterdir()) == before

@@ -281,10 +281,9 @@ def test_example_package_template_learns_to_end_its_turns_with_its_new_token(tmp
     token <|end|> is new to the tokenizer. Under LoRA the new rows must be learned, or generation would run
     past the answer: every answer must be exactly "the <animal>", generation stopping right after it (SFT
     labels end every answer with <|end|>, never with the tokenizer's EOS).
-    Whether the task itself is learned (the right animal) is not asserted: the plan's LoRA stage is
-    seed-fragile, and so is its exact match (issue #18's open point). At seed 42 turns scored 0.88 with TRL's
-    loss and 0.31 with the chunked loss, which gives the same losses to 1e-5: rounding alone moves it; at
-    seed 43 turns and chatml both scored 0.15. It is printed, not asserted."""
+    Whether the task itself is learned (the right animal) is not asserted here: at one seed it is luck, for
+    either template. The comparison with chatml over 8 seeds is benchmarks/template_parity.py (RESULTS.md:
+    mean exact match within 0.05 of chatml's); its tiny mode is in test_benchmarks.py."""
     text = (EXAMPLE / "plan.toml").read_text().replace('"../quickstart/', f'"{QUICKSTART.as_posix()}/')
     text = text.replace('"data/train.tsv"', f'"{(EXAMPLE / "data" / "train.tsv").as_posix()}"')
     plan = tmp_path / "turns.toml"

@@ -326,7 +326,8 @@ def test_template_parity_tiny_mode(tmp_path):
     measured = json.loads((tmp_path / "r.json").read_text())
     runs = {r["template"]: r for r in measured["results"]}
     assert sorted(runs) == ["chatml", "turns"] and all(r["answers"] == 100 for r in runs.values())
-    row, mean = table_rows(out)
+    header, row, mean = table_rows(out)
+    assert header[0] == "seed"
     assert row == ["1", f"{runs['turns']['exact_match']:.2f}", f"{runs['turns']['stopped']}/100",
                    f"{runs['chatml']['exact_match']:.2f}", f"{runs['chatml']['stopped']}/100"]
     assert mean[1] == f"{measured['mean']['turns']:.3f}" and mean[3] == f"{measured['mean']['chatml']:.3f}"

@@ -18,12 +18,13 @@ MADV_DONTNEED = 4  # Linux
 
 
 def _status() -> dict[str, int]:
-    """VmRSS and VmHWM in bytes, from /proc/self/status (Linux)."""
+    """VmRSS, VmHWM and RssFile (the file-backed part of VmRSS) in bytes, from /proc/self/status
+    (Linux)."""
     out = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
+            if key in ("VmRSS", "VmHWM", "RssFile"):
                 out[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
@@ -92,13 +93,33 @@ def release_pages(address: int, length: int, mappings: list[tuple[int, int]]) ->
     return end - start
 
 
-def release_mapped(paths: list[str]) -> int:
-    """Hand back the resident pages of this process's memory maps of ``paths`` (files only read):
-    a pass over a memory-mapped corpus otherwise keeps every page it touched in the resident set,
-    so RSS would grow with the corpus although the kernel could drop them. Returns the bytes of the
-    mappings advised (resident or not)."""
-    wanted = {os.path.realpath(p) for p in paths}
-    return sum(release_pages(lo, hi - lo, [(lo, hi)]) for lo, hi in file_mappings(lambda f: f in wanted))
+class MappedPages:
+    """Keeps the resident pages of the memory-mapped files ``keep`` accepts to about ``limit``.
+
+    A pass over a memory-mapped corpus keeps every page it touched resident, so RSS would grow
+    with the corpus, although the pages are the file's (the kernel reads them again if ever
+    needed). A pass calls :meth:`check` between its batches: when the process's file-backed
+    resident memory (RssFile) has grown by ``limit`` since the last release, the pages of those
+    mappings are handed back (:func:`release_pages`); :meth:`release` hands them back now.
+    (Synchronous, not a watching thread: a pass through datasets can starve other threads of the
+    GIL for seconds.)"""
+
+    def __init__(self, keep: Callable[[str], bool], limit: int = 64 * MiB):
+        self.keep, self.limit, self.base = keep, limit, None
+
+    def check(self) -> None:
+        now = _status().get("RssFile")
+        if now is None:  # not Linux
+            return
+        if self.base is None or now < self.base:
+            self.base = now
+        elif now - self.base > self.limit:
+            self.release()
+
+    def release(self) -> None:
+        for lo, hi in file_mappings(self.keep):
+            release_pages(lo, hi - lo, [(lo, hi)])
+        self.base = _status().get("RssFile")  # what stays (libraries' pages) is not counted again
 
 
 def reset_peak() -> None:

@@ -51,30 +51,68 @@ def test_release_hands_freed_heap_pages_back():
 
 
 
-def test_a_pass_over_a_memory_mapped_dataset_is_handed_back(tmp_path):
+def test_a_pass_over_a_memory_mapped_dataset_is_handed_back_as_it_goes(tmp_path):
     """A datasets Dataset reads its Arrow file through a memory map: a pass over it leaves every page it
-    read in the resident set (RSS grows with the corpus) until ``release_input`` hands them back; the
-    rows still read the same afterwards (the kernel reads the pages from the file again)."""
+    read in the resident set (RSS grows with the corpus). A pass that checks ``MappedPages`` between
+    batches hands them back as it goes, so its peak stays near the limit whatever the file's size;
+    the rows still read the same afterwards (the kernel reads the pages from the file again)."""
     import datasets
 
-    from ftcore.memory import snapshot
-    from ftcore_plugins.common.prepare import data_fingerprint, release_input
+    from ftcore.memory import MiB, MappedPages, reset_peak, snapshot
+    from ftcore_plugins.common.prepare import ARROW_PAGES, data_fingerprint
 
-    rows = datasets.Dataset.from_dict({"text": [f"row {i} " + "x" * 2000 for i in range(60_000)]})
+    rows = datasets.Dataset.from_dict({"text": [f"row {i} " + "x" * 2000 for i in range(160_000)]})
     rows.save_to_disk(tmp_path / "ds")
     rows = datasets.load_from_disk(tmp_path / "ds")  # memory-mapped, as a source's rows are
     size_mib = sum(p.stat().st_size for p in (tmp_path / "ds").glob("*.arrow")) / 2**20
-    assert size_mib > 100
+    assert size_mib > 300
+    pages = MappedPages(lambda path: path.endswith(".arrow"), limit=16 * MiB)
+
+    def total(check=None) -> int:
+        n = 0
+        for batch in rows.iter(batch_size=1_000):
+            n += sum(len(t) for t in batch["text"])
+            if check:
+                check()
+        return n
+
     before = snapshot()["rss_mib"]
-    total = sum(len(t) for batch in rows.iter(batch_size=10_000) for t in batch["text"])
-    read = snapshot()["rss_mib"]
-    assert read - before > 0.8 * size_mib, (before, read, size_mib)  # the pages it read stay resident
-    release_input(rows)
+    expected = total()
+    assert snapshot()["rss_mib"] - before > 0.8 * size_mib  # unchecked, the pages it read stay resident
+    pages.release()
     assert snapshot()["rss_mib"] - before < 0.1 * size_mib
-    assert sum(len(t) for batch in rows.iter(batch_size=10_000) for t in batch["text"]) == total
-    # The content hash releases as it goes: its pass does not leave the file resident.
-    data_fingerprint(rows)
+    reset_peak()
+    assert total(pages.check) == expected
+    peak = snapshot()["peak_rss_mib"] - before
+    assert peak < 16 + 8, (peak, size_mib)  # the limit and one 2 MB batch
+    reset_peak()
+    data_fingerprint(rows)  # checks ARROW_PAGES (64 MiB) between its 10,000-row batches (20 MB)
+    assert snapshot()["peak_rss_mib"] - before < 0.5 * size_mib  # 64 MiB, a batch, and the hash's buffers
+    ARROW_PAGES.release()
     assert snapshot()["rss_mib"] - before < 0.1 * size_mib
+
+
+def test_exact_repeats_match_a_set_across_batches():
+    """Exact dedup's digests in numpy, sorted at the end, against a Python set fed in order."""
+    import random
+
+    from ftcore_plugins.data._quality import ExactDuplicates
+
+    rng = random.Random(3)
+    texts = [f"text {rng.randrange(3_000)}" for _ in range(10_000)]
+    exact = ExactDuplicates()
+    for first in range(0, len(texts), 777):  # batches of uneven size
+        exact.add(texts[first:first + 777])
+    seen: set[str] = set()
+    expected = []
+    for t in texts:
+        expected.append(t in seen)
+        seen.add(t)
+    got = exact.repeats()
+    assert got.tolist() == expected
+    assert 0 < got.sum() < len(texts) and not got[0]
+    assert ExactDuplicates().repeats().tolist() == []
+
 
 def test_a_run_records_memory_at_each_point(tiny_project):
     plan = tiny_project("""

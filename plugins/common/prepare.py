@@ -31,11 +31,20 @@ from pathlib import Path
 from typing import Any
 
 from ftcore.cache import cache_dir
+from ftcore.memory import MappedPages
 
 from ftcore_plugins.common.chat import Truncation, encode
 
 DATA_LAYER_VERSION = 4  # bump when tokenization, masking or the entry's layout changes
 SHARD_ROWS = 50_000  # rows per shard: what an interrupted preparation resumes from
+# Rows per Arrow record batch of the files ftcore writes or has datasets write. Opening a file
+# reads every batch's header, and the kernel maps 64 KB of the file around each: at datasets'
+# default of 1,000 rows that is ~64 MB resident per million rows, at once, before any pass.
+ARROW_BATCH_ROWS = 10_000
+ARROW_BATCH_BYTES = 64 * 2**20  # and no more than this in memory at a time (long documents)
+# The resident pages of memory-mapped Arrow files (datasets' cache and ftcore's): the passes over
+# them (the content hash, tokenization, the sources' reading and filters) check it between batches.
+ARROW_PAGES = MappedPages(lambda path: path.endswith(".arrow"))
 SHARD_NAME = re.compile(r"\d{5}\.arrow")
 COUNTS = ("rows", "samples", "kept", "truncated", "dropped_too_long", "dropped_no_labels", "skipped_unrenderable",
           "tokens", "label_tokens")
@@ -63,24 +72,13 @@ def data_fingerprint(rows: Any) -> str:
 
     h = hashlib.sha256()
     h.update(json.dumps(sorted(rows.column_names)).encode())
-    for i, table in enumerate(rows.with_format("arrow").iter(batch_size=10_000)):
+    for table in rows.with_format("arrow").iter(batch_size=10_000):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
         h.update(sink.getvalue())
-        if i % 5 == 4:  # every 50,000 rows
-            release_input(rows)
-    release_input(rows)
+        ARROW_PAGES.check()
     return h.hexdigest()
-
-
-def release_input(rows: Any) -> None:
-    """Hand back the pages of a memory-mapped input that a pass has read: they are the file's (the
-    kernel reads them again if needed), but while mapped they count in the resident set, which
-    would then grow with the corpus (before this: 131 -> 832 MiB above start from 0.25M to 2M rows)."""
-    from ftcore.memory import release_mapped
-
-    release_mapped([f["filename"] for f in getattr(rows, "cache_files", None) or []])
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -208,6 +206,7 @@ def encode_shards(rows: Any, work: Path, encoding: dict, reporter: Any, descript
     """Tokenize ``rows`` into Arrow shards in ``work`` (``00000.arrow``, ...), skipping the shards a
     killed preparation finished; returns the whole data's stats."""
     import numpy as np
+    import pyarrow as pa
     from datasets.arrow_writer import ArrowWriter
 
     work.mkdir(parents=True, exist_ok=True)
@@ -222,13 +221,26 @@ def encode_shards(rows: Any, work: Path, encoding: dict, reporter: Any, descript
                     bar.advance(len(part))
                 continue
             written = work / f"{shard:05d}.arrow.tmp"
-            with ArrowWriter(features=features, path=str(written)) as writer:
+            with ArrowWriter(features=features, path=str(written), writer_batch_size=ARROW_BATCH_ROWS) as writer:
+                pending: list = []
+
+                def flush() -> None:
+                    if pending:
+                        writer.write_table(pa.concat_tables(pending))
+                        pending.clear()
+
+                def sink(columns: dict[str, list]) -> None:
+                    ARROW_PAGES.check()
+                    pending.append(arrow_columns(columns))
+                    if (sum(t.num_rows for t in pending) >= ARROW_BATCH_ROWS
+                            or sum(t.nbytes for t in pending) >= ARROW_BATCH_BYTES):
+                        flush()
+
                 _, stats = encode(rows.select(part) if hasattr(rows, "select") else rows[first:part.stop],
-                                  progress=bar, first_row=first,
-                                  sink=lambda columns: writer.write_table(arrow_columns(columns)), **encoding)
+                                  progress=bar, first_row=first, sink=sink, **encoding)
+                flush()
                 writer.finalize()
             os.replace(written, work / f"{shard:05d}.arrow")
-            release_input(rows)
             np.save(work / f"{shard:05d}.lengths.npy", np.asarray(stats.lengths, dtype=np.int32))
             done.write_text(json.dumps({k: getattr(stats, k) for k in COUNTS}))  # last: the shard is finished
     return merged_stats(work, shards)
@@ -278,6 +290,7 @@ def load_shards(folder: Path, in_memory: bool = False) -> Any:
 
     shards = sorted(p for p in folder.glob("*.arrow") if SHARD_NAME.fullmatch(p.name))
     parts = [datasets.Dataset.from_file(str(p), in_memory=in_memory) for p in shards]
+    ARROW_PAGES.release()  # opening them read each record batch's header
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 

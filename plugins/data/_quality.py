@@ -20,6 +20,8 @@ from pydantic import Field, model_validator
 from ftcore.component import Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.prepare import ARROW_PAGES
+
 
 class QualityOptions(Options):
     """Options every built-in data source takes (see docs/data.md)."""
@@ -94,7 +96,37 @@ def _shingles(text: str, n: int = 3) -> set[bytes]:
     return {" ".join(words[i:i + n]).encode() for i in range(len(words) - n + 1)}
 
 
-EXACT_BYTES_PER_ROW = 160  # exact dedup's digest set and kept indices, measured at 1M rows (RESULTS.md)
+EXACT_BYTES_PER_ROW = 40  # exact dedup's digests, sort order and masks, measured at 1M rows (RESULTS.md)
+
+
+class ExactDuplicates:
+    """Which rows repeat an earlier row's normalised text. Each row's 16-byte digest is appended
+    a batch at a time to numpy arrays (16 bytes a row; a Python set of them took 160), and
+    :meth:`repeats` finds the repeats at the end with one stable sort (8 bytes a row more while
+    it runs). The first occurrence of a text is never a repeat."""
+
+    def __init__(self):
+        self.parts: list[Any] = []
+
+    def add(self, texts: list[str]) -> None:
+        import numpy as np
+
+        digests = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in texts)
+        self.parts.append(np.frombuffer(digests, dtype=np.uint64).reshape(-1, 2))
+
+    def repeats(self) -> Any:
+        """A boolean array over the rows added, in order: True where the text came before."""
+        import numpy as np
+
+        digests = np.concatenate(self.parts) if self.parts else np.empty((0, 2), np.uint64)
+        self.parts = []
+        order = np.lexsort((digests[:, 1], digests[:, 0]))  # stable: equal digests stay in row order
+        out = np.zeros(len(digests), dtype=bool)
+        step = 1 << 20  # compared a million at a time: no full sorted copy of the digests
+        for lo in range(1, len(order), step):
+            here = order[lo:lo + step]
+            out[here] = (digests[here] == digests[order[lo - 1:lo - 1 + len(here)]]).all(axis=1)
+        return out
 
 
 class NearDuplicates:
@@ -158,17 +190,22 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
     """Filter, dedup and split a dataset. Returns ``{"train": ds}`` or
     ``{"train": ds, "validation": ds}``; adds counts to ``stats``.
 
-    Rows are read in batches and only indices, 16-byte digests (and MinHashes for near
-    dedup) are held, so a memory-mapped dataset larger than memory stays on disk."""
-    keep: list[int] = []
+    Rows are read in batches and only masks and 16-byte digests (and MinHashes for near dedup)
+    are held, so a memory-mapped dataset larger than memory stays on disk. Exact repeats are
+    found at the end (:class:`ExactDuplicates`); near dedup sees every row that passes the
+    filters, and since an exact repeat is always a near-duplicate of its first occurrence, it
+    keeps the same rows as dedup in two steps would, and repeats are counted as duplicates."""
+    import numpy as np
+
     dropped: dict[str, int] = defaultdict(int)
-    seen: set[bytes] = set()
-    duplicates = 0  # found but kept, with dedup = "none"
+    passed = np.zeros(len(data), dtype=bool)  # by the filters
+    exact = ExactDuplicates()
     near = NearDuplicates(o.near_threshold, seed=o.seed) if o.dedup == "near" else None
+    near_new = np.zeros(len(data), dtype=bool) if near is not None else None
     if near is not None and warn is not None and (message := memory_warning(len(data), near.BYTES_PER_ROW, where)):
         warn(message)
     offset = 0
-    for batch in data.iter(batch_size=10_000):
+    for batch in data.iter(batch_size=10_000):  # memory-mapped: the pages read are handed back
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         candidates: list[tuple[int, str]] = []
         for i, row in enumerate(rows, offset):
@@ -176,29 +213,31 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
             if reason is not None:
                 dropped[reason] += 1
                 continue
-            normal = normalized_text(row)
-            digest = hashlib.blake2b(normal.encode(), digest_size=16).digest()
-            if digest in seen:
-                if o.dedup != "none":
-                    dropped["duplicate"] += 1
-                    continue
-                duplicates += 1
-            seen.add(digest)
-            candidates.append((i, normal))
-        if near is None:
-            keep.extend(i for i, _ in candidates)
-        else:  # one batch's texts at a time: the index holds hashes, never the corpus's text
-            for (i, _), new in zip(candidates, near.new([t for _, t in candidates])):
-                if new:
-                    keep.append(i)
-                else:
-                    dropped["near_duplicate"] += 1
+            passed[i] = True
+            candidates.append((i, normalized_text(row)))
+        texts = [t for _, t in candidates]
+        exact.add(texts)
+        if near is not None:  # one batch's texts at a time: the index holds hashes, never the corpus's text
+            near_new[[i for i, _ in candidates]] = near.new(texts)
         offset += len(rows)
-    stats.update({f"dropped_{k}": v for k, v in dropped.items()})
-    if duplicates:
+        ARROW_PAGES.check()
+    survivors = np.flatnonzero(passed)
+    repeats = exact.repeats()
+    duplicates = int(repeats.sum())
+    if o.dedup == "none":
+        keep = survivors
+    elif near is None:
+        keep, dropped["duplicate"] = survivors[~repeats], duplicates
+    else:
+        keep = np.flatnonzero(near_new)
+        dropped["duplicate"] = duplicates
+        dropped["near_duplicate"] = len(survivors) - len(keep) - duplicates
+    dropped = {k: v for k, v in dropped.items() if v}
+    if o.dedup == "none" and duplicates:  # found but kept
         stats["duplicates_kept"] = duplicates
+    stats.update({f"dropped_{k}": v for k, v in dropped.items()})
     stats["rows_kept"] = len(keep)
-    if not keep:
+    if len(keep) == 0:
         raise FtcoreError(f"{where}: no row is left after filtering and deduplication ({dict(dropped)})")
     kept = data if len(keep) == len(data) else data.select(keep)
     if o.validation is None:

@@ -35,7 +35,7 @@ from ftcore.component import Component
 from ftcore.errors import FtcoreError, did_you_mean
 
 from ftcore_plugins.common import formats as F
-from ftcore_plugins.common.prepare import release_input
+from ftcore_plugins.common.prepare import ARROW_BATCH_ROWS, ARROW_PAGES
 from ftcore_plugins.data._quality import QualityOptions, clean_and_split
 
 log = logging.getLogger("ftcore")
@@ -198,11 +198,10 @@ class RowSource(Component):
         with _quiet_datasets():
             data = self._load(ctx)
         if not isinstance(self.options, QualityOptions):
-            release_input(data)
+            ARROW_PAGES.release()
             return data
         parts = clean_and_split(data, self.options, self.stats, f"data.{ctx.name}", warn=ctx.reporter.warn)
-        for part in parts.values():
-            release_input(part)  # the pages the reading, filter and split passes touched
+        ARROW_PAGES.release()  # what the reading, filter and split passes touched
         dropped = {k[len("dropped_"):]: v for k, v in self.stats.items() if k.startswith("dropped_") and v}
         if dropped:
             ctx.reporter.info(f"data [bold]{ctx.name}[/]: dropped " + ", ".join(
@@ -371,7 +370,7 @@ class RowSource(Component):
 
         columns = dict(getattr(self.options, "columns", {}))
         placeholders = getattr(self.options, "placeholders", "allow")
-        fn = functools.partial(F.convert_batch, fmt=fmt, kind=kind, columns=columns, strings=unit.strings,
+        fn = functools.partial(_convert_batch, fmt=fmt, kind=kind, columns=columns, strings=unit.strings,
                                placeholders=placeholders)
         helper = {F.ERROR_COLUMN: datasets.Value("string"), F.FORMAT_COLUMN: datasets.Value("string")}
         if placeholders == "warn":
@@ -382,9 +381,10 @@ class RowSource(Component):
             # datasets hashes `fn` by reference, not by the code it calls: put our code in the fingerprint.
             fingerprint = _fingerprint(ds._fingerprint, "convert", fmt, kind, sorted(columns.items()), unit.strings,
                                        keep, placeholders)
-            return ds.map(fn, batched=True, batch_size=MAP_BATCH, remove_columns=[c for c in ds.column_names
-                                                                                    if c not in keep],
-                          features=feats, num_proc=_num_proc(getattr(self.options, "num_proc", None), len(ds)),
+            # the output's record batches: ARROW_BATCH_ROWS, not datasets' 1,000
+            return ds.map(fn, batched=True, batch_size=ARROW_BATCH_ROWS, writer_batch_size=ARROW_BATCH_ROWS,
+                          remove_columns=[c for c in ds.column_names if c not in keep], features=feats,
+                          num_proc=_num_proc(getattr(self.options, "num_proc", None), len(ds)),
                           new_fingerprint=fingerprint, desc=f"convert {unit.shown}")
         rows = unit.rows or []
         cols = F.convert_rows(rows, fmt, kind, columns=columns, strings=unit.strings, placeholders=placeholders)
@@ -530,6 +530,15 @@ def streaming_problems(source: Any, plan: Any) -> list[str]:
     return problems
 
 
+def load_files(builder: str, path: Path, **kwargs: Any) -> Any:
+    """A file read by a 🤗 datasets ``builder`` ("json", "csv", ...) into its Arrow cache,
+    memory-mapped, in record batches of :data:`ARROW_BATCH_ROWS` rows."""
+    import datasets
+
+    return datasets.load_dataset(builder, data_files=[str(path)], split="train", writer_batch_size=ARROW_BATCH_ROWS,
+                                 **kwargs)
+
+
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
     """No progress bars or info logs from datasets: the source reports for itself."""
@@ -648,15 +657,22 @@ def _prune(ds: Any, kind: str, num_proc: int | None) -> Any:
     keys = [k for k in F.MESSAGE_KEYS if k in ("role", "content") or k in used]
     feats = datasets.Features({**ds.features, **{c: F.features(kind, keys)[c] for c in cols}})
     return ds.with_format("arrow").map(functools.partial(_drop_message_keys, cols=cols, keys=keys), batched=True,
-                                       batch_size=10_000, features=feats, num_proc=_num_proc(num_proc, len(ds)),
+                                       batch_size=ARROW_BATCH_ROWS, writer_batch_size=ARROW_BATCH_ROWS,
+                                       features=feats, num_proc=_num_proc(num_proc, len(ds)),
                                        new_fingerprint=_fingerprint(ds._fingerprint, "prune", cols, keys),
                                        desc="prune").with_format(None)
+
+
+def _convert_batch(batch: dict[str, list], **options: Any) -> dict[str, list]:
+    ARROW_PAGES.check()  # the map's pass reads a memory-mapped file
+    return F.convert_batch(batch, **options)
 
 
 def _drop_message_keys(table: Any, cols: tuple[str, ...], keys: list[str]) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    ARROW_PAGES.check()  # the map's pass reads a memory-mapped file
     for c in cols:
         col = table.column(c).combine_chunks()
         items = col.flatten()  # the structs of the rows in this batch

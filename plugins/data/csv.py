@@ -10,7 +10,8 @@ from pydantic import Field
 import ftcore
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.data._source import FileOptions, FileSource, Unit, _first_line, _rows_of, _shown, csv_header, read_csv_python
+from ftcore_plugins.data._source import (FileOptions, FileSource, Unit, _first_line, _rows_of, _shown, csv_header,
+                                         load_files, read_csv_python)
 
 log = logging.getLogger("ftcore")
 
@@ -48,7 +49,7 @@ class CsvSource(FileSource):
             raise FtcoreError(f"{shown}:1: the header names {', '.join(repr(d) for d in dupes)} more than once")
         features = datasets.Features({h: datasets.Value("string") for h in header})
         try:
-            ds = datasets.load_dataset("csv", data_files=[str(path)], split="train", features=features, sep=sep)
+            ds = load_files("csv", path, features=features, sep=sep)
         except Exception as exc:
             log.debug("datasets could not read %s (%s); reading it row by row", path, _first_line(exc))
             return read_csv_python(path, shown, skip, sep)

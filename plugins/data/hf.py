@@ -9,6 +9,7 @@ from pydantic import Field
 import ftcore
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.prepare import ARROW_BATCH_ROWS
 from ftcore_plugins.data._source import RowOptions, RowSource, Unit, _first_line, _rows_of, hub_reachable
 
 
@@ -41,7 +42,7 @@ class HubSource(RowSource):
                                   "set HF_HUB_OFFLINE=1 to read it from there")
         try:
             ds = datasets.load_dataset(o.path, o.name, split=o.split, revision=o.revision, token=o.token,
-                                       num_proc=o.num_proc,
+                                       num_proc=o.num_proc, writer_batch_size=ARROW_BATCH_ROWS,
                                        download_config=datasets.DownloadConfig(max_retries=1, token=o.token))
         except Exception as exc:
             if offline:

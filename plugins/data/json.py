@@ -7,7 +7,9 @@ from pathlib import Path
 
 import ftcore
 
-from ftcore_plugins.data._source import FileSource, Unit, _first_line, _shown, json_locator, read_json_python
+from ftcore_plugins.common.prepare import ARROW_PAGES
+from ftcore_plugins.data._source import (FileSource, Unit, _first_line, _shown, json_locator, load_files,
+                                         read_json_python)
 
 log = logging.getLogger("ftcore")
 
@@ -15,11 +17,11 @@ log = logging.getLogger("ftcore")
 def read_json(path: Path, shown: str, skip: bool) -> Unit:
     """Through datasets (memory-mapped Arrow, cached); when it cannot read the file, in
     Python line by line, to report (or, with skip, drop) exactly the bad lines."""
-    import datasets
-
     try:
-        ds = datasets.load_dataset("json", data_files=[str(path)], split="train", parse_agent_traces=False)
-        ds.data.table.validate(full=True)  # pyarrow's JSON reader lets invalid UTF-8 through
+        ds = load_files("json", path, parse_agent_traces=False)
+        for batch in ds.data.table.to_batches():  # batch by batch: the pages read are handed back
+            batch.validate(full=True)  # pyarrow's JSON reader lets invalid UTF-8 through
+            ARROW_PAGES.check()
     except Exception as exc:  # no line numbers in datasets' errors: find the place ourselves
         log.debug("datasets could not read %s (%s); reading it line by line", path, _first_line(exc))
         return read_json_python(path, shown, skip)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ftcore
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.data._source import FileSource, Unit, _first_line, _rows_of, _shown
+from ftcore_plugins.data._source import FileSource, Unit, _first_line, _rows_of, _shown, load_files
 
 
 class ParquetSource(FileSource):
@@ -15,11 +15,9 @@ class ParquetSource(FileSource):
     stream_builder = "parquet"
 
     def _read(self, path, ctx):
-        import datasets
-
         shown = _shown(path, ctx)
         try:
-            ds = datasets.load_dataset("parquet", data_files=[str(path)], split="train")
+            ds = load_files("parquet", path)
         except Exception as exc:
             with path.open("rb") as fh:
                 head = fh.read(4)

@@ -9,7 +9,7 @@ from pydantic import Field
 
 import ftcore
 from ftcore_plugins.data._quality import QualityOptions
-from ftcore_plugins.data._source import FileSource, Paths, Unit, _first_line, _shown, read_text_python
+from ftcore_plugins.data._source import FileSource, Paths, Unit, _first_line, _shown, load_files, read_text_python
 
 log = logging.getLogger("ftcore")
 
@@ -34,13 +34,10 @@ class TextSource(FileSource):
         return "text"
 
     def _read(self, path, ctx):
-        import datasets
-
         shown = _shown(path, ctx)
         by = self.options.unit
         try:
-            ds = datasets.load_dataset("text", data_files=[str(path)], split="train",
-                                       sample_by="document" if by == "file" else "line")
+            ds = load_files("text", path, sample_by="document" if by == "file" else "line")
         except Exception as exc:
             log.debug("datasets could not read %s (%s); reading it line by line", path, _first_line(exc))
             return read_text_python(path, shown, by, self.options.on_error == "skip")

@@ -3,20 +3,19 @@
     python benchmarks/prepare_scale.py [--sizes 250000 500000 1000000 2000000] [--tiny]
 
 The rows are C4-like text: each a window of 2-8 consecutive sentences of a document of the real
-C4 sample in ../shared/fixtures/data/c4_demo.jsonl (generated sentences when it is absent), so the
-corpus varies row to row. Each size is a JSONL file of that many rows, and each measurement runs
-in a process of its own, so its peak is its own:
+C4 sample in ../shared/fixtures/data/c4_demo.jsonl, and one sentence of another (generated
+sentences when it is absent), so nearly every row is new. Each size is a JSONL file of that many
+rows, and each measurement runs in a process of its own, so its peak is its own:
 
-* prepare: ``datasets.load_dataset("json")`` (as ftcore's ``jsonl`` source reads a file: Arrow,
-  memory-mapped), then ``prepare()`` as ``pretrain`` calls it (Qwen2.5's tokenizer, text rows,
-  EOS added, no max_length), into an empty cache. Peak RSS (VmHWM) above the RSS before
-  ``prepare()``, which also counts the input's memory-mapped pages the pass touches (page cache),
-  and the peak of the anonymous memory (RssAnon, sampled every 20 ms): the process's own heap,
-  which is what must not grow with the corpus. And the whole process's peak above its RSS before
-  the corpus is read, reading it included (the input's pages handed back once read, as ftcore's
-  sources do). And its time.
+* prepare: the ``ftcore prepare`` command, in the measuring process, on a plan whose ``jsonl``
+  source reads the file (``format = "text"``) for a ``pretrain`` stage (Qwen2.5's tokenizer, EOS
+  added), into an empty cache: reading, validation, conversion, the quality filters and duplicate
+  count, the content hash, tokenization into shards. The whole process's peak RSS (VmHWM, what
+  ``/usr/bin/time`` reports), and its peak above its RSS before the command (the libraries already
+  imported); the command's time, and the time of its tokenization (``encode_shards``).
 * raw: the same rows through the same Rust tokenizer, batched the same way (1,000 rows per
-  ``encode_batch``), the token ids thrown away: the throughput bound. Ratio prepare/raw in tokens/s.
+  ``encode_batch``), the token ids thrown away: the throughput bound. Ratio tokenization/raw in
+  tokens/s.
 * resume: a preparation of the largest size killed (SIGKILL) once half its shards are finished,
   then run again: its time against an uninterrupted preparation.
 
@@ -34,14 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _bench import SHARED, machine, rss_anon  # noqa: E402
+from _bench import SHARED, machine  # noqa: E402
 
 C4 = SHARED / "data" / "c4_demo.jsonl"
 QWEN = SHARED / "tokenizers" / "qwen25"
@@ -58,14 +56,19 @@ def sentences() -> list[list[str]]:
             for _ in range(300)]
 
 
-def write_corpus(path: Path, rows: int, seed: int = 0) -> int:
-    """``rows`` C4-like rows to ``path``; returns the bytes written."""
+def write_corpus(path: Path, rows: int, seed: int = 0, vary: bool = True) -> int:
+    """``rows`` C4-like rows to ``path``; returns the bytes written. Each row is a window of one
+    document, and with ``vary`` one sentence of another, so that rows rarely repeat (the sample has
+    300 documents: windows alone repeat, 98% of 2M rows)."""
     rng, docs = random.Random(seed), sentences()
     with open(path, "w", encoding="utf-8") as out:
         for _ in range(rows):
             doc = rng.choice(docs)
             start = rng.randrange(len(doc) - 1)
-            out.write(json.dumps({"text": " ".join(doc[start:start + rng.randint(2, 8)])}) + "\n")
+            window = doc[start:start + rng.randint(2, 8)]
+            if vary:
+                window = [*window, rng.choice(rng.choice(docs))]
+            out.write(json.dumps({"text": " ".join(window)}) + "\n")
     return path.stat().st_size
 
 
@@ -83,64 +86,87 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
 
 
+PLAN = """
+[run]
+name = "prepare-scale"
+output_dir = "runs"
+
+[model]
+use = "scratch"
+hidden_size = 64
+num_layers = 2
+num_heads = 4
+intermediate_size = 128
+tokenizer = "{tokenizer}"
+
+[data.corpus]
+use = "jsonl"
+path = "{corpus}"
+format = "text"
+
+[[stage]]
+name = "pretrain"
+trainer = "pretrain"
+data = "corpus"
+max_steps = 1
+"""
+
+
 def arm(kind: str, corpus: Path, shard_rows: int) -> dict:
     """One measurement in this process (``--arm``): prepare or raw over ``corpus``."""
     import datasets
 
     from ftcore import memory
 
-    from ftcore_plugins.common.prepare import release_input
-
-    rss_start = memory.snapshot()["rss_mib"]  # before the corpus is read
-    rows = datasets.load_dataset("json", data_files=[str(corpus)], split="train")
-    release_input(rows)  # as ftcore's sources do once they have read their files
-    tok = tokenizer()
-    load_peak = memory.snapshot()["peak_rss_mib"]
-    # shards a killed preparation finished: the rerun must not encode them again
     reused = len(list((Path(os.environ["FTCORE_CACHE_DIR"]) / "tokenized").glob("*/.*.partial/[0-9]*.json")))
-    before = memory.snapshot()["rss_mib"]
-    memory.reset_peak()
-    # VmHWM also counts the pages of the memory-mapped input the pass touches (the page cache's):
-    # the anonymous memory (the process's own heap), sampled, is what must stay flat.
-    anon_before, anon_peak, done = rss_anon(), [0], threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            anon_peak[0] = max(anon_peak[0], rss_anon())
-            done.wait(0.02)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    start = time.perf_counter()
     if kind == "prepare":
         import ftcore_plugins.common.prepare as prepare_module
-        from ftcore_plugins.templates.chatml import ChatMLTemplate
+        from ftcore.cli import main as ftcore_main
 
         prepare_module.SHARD_ROWS = shard_rows
-        prepared = prepare_module.prepare(rows, tok, ChatMLTemplate(), max_length=None, description="prepare")
-        tokens, samples = prepared.stats["tokens"], prepared.stats["kept"]
-    else:
-        backend = tok.backend_tokenizer
-        backend.no_padding()
-        backend.no_truncation()
-        tokens = samples = 0
-        for batch in rows.iter(batch_size=1000):
-            encoded = backend.encode_batch([t + tok.eos_token for t in batch["text"]], add_special_tokens=False)
-            tokens += sum(len(e.ids) for e in encoded)
-            samples += len(encoded)
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    after = memory.snapshot()
-    return {"kind": kind, "rows": len(rows), "samples": samples, "tokens": tokens, "seconds": seconds,
-            "rss_before_mib": before, "peak_above_mib": after["peak_rss_mib"] - before, "shards_reused": reused,
-            "process_peak_above_mib": max(load_peak, after["peak_rss_mib"]) - rss_start,
-            "anon_peak_above_mib": (max(anon_peak[0], rss_anon()) - anon_before) / 2**20}
+        encoded, encode_shards = {}, prepare_module.encode_shards
+
+        def timed(*args, **kwargs):  # the tokenization, timed where the command calls it
+            start = time.perf_counter()
+            stats = encode_shards(*args, **kwargs)
+            encoded.update(stats, seconds=time.perf_counter() - start)
+            return stats
+
+        prepare_module.encode_shards = timed
+        plan = corpus.with_suffix(".toml")
+        plan.write_text(PLAN.format(tokenizer=os.environ["PREPARE_SCALE_TOKENIZER"], corpus=corpus))
+        before = memory.snapshot()["rss_mib"]  # the libraries imported, nothing read
+        start = time.perf_counter()
+        try:
+            ftcore_main(["prepare", str(plan)])
+        except SystemExit as exc:
+            if exc.code:
+                raise
+        seconds = time.perf_counter() - start
+        peak = memory.snapshot()["peak_rss_mib"]
+        return {"kind": kind, "rows": encoded["rows"], "samples": encoded["kept"], "tokens": encoded["tokens"],
+                "seconds": seconds, "tokenize_seconds": encoded["seconds"], "rss_before_mib": before,
+                "peak_rss_mib": peak, "peak_above_mib": peak - before, "shards_reused": reused}
+    rows = datasets.load_dataset("json", data_files=[str(corpus)], split="train")
+    tok = tokenizer()
+    backend = tok.backend_tokenizer
+    backend.no_padding()
+    backend.no_truncation()
+    tokens = samples = 0
+    start = time.perf_counter()
+    for batch in rows.iter(batch_size=1000):
+        encoded = backend.encode_batch([t + tok.eos_token for t in batch["text"]], add_special_tokens=False)
+        tokens += sum(len(e.ids) for e in encoded)
+        samples += len(encoded)
+    return {"kind": kind, "rows": len(rows), "samples": samples, "tokens": tokens,
+            "seconds": time.perf_counter() - start}
 
 
 def arm_env(cache: Path) -> dict:
-    """ftcore's cache and datasets' (the JSON read as Arrow) in the benchmark's scratch folder."""
-    return {**os.environ, "FTCORE_CACHE_DIR": str(cache), "HF_DATASETS_CACHE": str(cache.parent / "hf-datasets")}
+    """ftcore's cache and datasets' (the JSON read as Arrow) in the benchmark's scratch folder; the
+    tokenizer folder the plan names."""
+    return {**os.environ, "FTCORE_CACHE_DIR": str(cache), "HF_DATASETS_CACHE": str(cache / "hf-datasets"),
+            "PREPARE_SCALE_TOKENIZER": str(cache.parent / "tokenizer")}
 
 
 def run_arm(kind: str, corpus: Path, cache: Path, shard_rows: int) -> dict:
@@ -171,7 +197,8 @@ def killed_and_resumed(corpus: Path, cache: Path, shard_rows: int, rows: int) ->
         sys.exit("the preparation ended before half its shards were finished: nothing to resume")
     resumed = run_arm("prepare", corpus, cache, shard_rows)
     return {"shards": shards, "finished_when_killed": finished, "killed_after_s": killed_after,
-            "resumed_s": resumed["seconds"], "tokens": resumed["tokens"], "shards_reused": resumed["shards_reused"]}
+            "resumed_s": resumed["seconds"], "resumed_tokenize_s": resumed["tokenize_seconds"],
+            "tokens": resumed["tokens"], "shards_reused": resumed["shards_reused"]}
 
 
 def main() -> None:
@@ -189,6 +216,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="ftcore-prepare-scale-") as work:
         work = Path(work)
+        tokenizer().save_pretrained(work / "tokenizer")
         for size in sizes:
             corpus = work / f"rows-{size}.jsonl"
             size_bytes = write_corpus(corpus, size)
@@ -201,32 +229,32 @@ def main() -> None:
     first = results[0]
     print(f"machine: {machine()}")
     print(f"tokenizer: {'Qwen2.5 (' + str(QWEN) + ')' if QWEN.exists() else 'a BPE trained here'}; rows: "
-          f"{'windows of ' + C4.name if C4.exists() else 'generated sentences'}; shards of {shard_rows:,} rows")
+          f"{'windows of ' + C4.name + ' and a sentence of another document' if C4.exists() else 'generated sentences'}"
+          f"; shards of {shard_rows:,} rows")
     print()
-    print("| rows | corpus MiB | tokens | prepare s | peak RSS above start (MiB) | time / rows vs first | "
-          "peak vs first | prepare tokens/s | raw tokens/s | ratio prepare/raw | anonymous peak above start (MiB) | "
-          "anonymous peak vs first | whole process: peak above start, reading the corpus included (MiB) | "
-          "whole process vs first |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rows | corpus MiB | tokens | `ftcore prepare` s | time / rows vs first | peak RSS, whole process (MiB) | "
+          "vs first | peak above the RSS before the command (MiB) | vs first | tokenization s | "
+          "tokenization tokens/s | raw tokens/s | ratio tokenization/raw |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        pr, raw = r["prepare"], r["raw"]
-        per_row = (pr["seconds"] / r["rows"]) / (first["prepare"]["seconds"] / first["rows"])
-        peak = pr["peak_above_mib"] / first["prepare"]["peak_above_mib"]
-        rate, raw_rate = pr["tokens"] / pr["seconds"], raw["tokens"] / raw["seconds"]
-        print(f"| {r['rows']:,} | {r['bytes'] / 2**20:.0f} | {pr['tokens']:,} | {pr['seconds']:.1f} | "
-              f"{pr['peak_above_mib']:.0f} | {per_row:.2f} | {peak:.2f} | {rate:,.0f} | {raw_rate:,.0f} | "
-              f"{rate / raw_rate:.2f} | {pr['anon_peak_above_mib']:.0f} | "
-              f"{pr['anon_peak_above_mib'] / first['prepare']['anon_peak_above_mib']:.2f} | "
-              f"{pr['process_peak_above_mib']:.0f} | "
-              f"{pr['process_peak_above_mib'] / first['prepare']['process_peak_above_mib']:.2f} |")
-    full = next(r for r in results if r["rows"] == sizes[-1])["prepare"]["seconds"]
+        pr, raw, pf = r["prepare"], r["raw"], first["prepare"]
+        per_row = (pr["seconds"] / r["rows"]) / (pf["seconds"] / first["rows"])
+        rate, raw_rate = pr["tokens"] / pr["tokenize_seconds"], raw["tokens"] / raw["seconds"]
+        print(f"| {r['rows']:,} | {r['bytes'] / 2**20:.0f} | {pr['tokens']:,} | {pr['seconds']:.1f} | {per_row:.2f} | "
+              f"{pr['peak_rss_mib']:.0f} | {pr['peak_rss_mib'] / pf['peak_rss_mib']:.2f} | "
+              f"{pr['peak_above_mib']:.0f} | {pr['peak_above_mib'] / pf['peak_above_mib']:.2f} | "
+              f"{pr['tokenize_seconds']:.1f} | {rate:,.0f} | {raw_rate:,.0f} | {rate / raw_rate:.2f} |")
+    full = next(r for r in results if r["rows"] == sizes[-1])["prepare"]
     print()
     print(f"killed (SIGKILL) with {resume['finished_when_killed']} of {resume['shards']} shards finished, after "
           f"{resume['killed_after_s']:.1f} s; the rerun reused {resume['shards_reused']} and took "
-          f"{resume['resumed_s']:.1f} s against {full:.1f} s "
-          f"uninterrupted: {full - resume['resumed_s']:.1f} s saved")
+          f"{resume['resumed_s']:.1f} s against {full['seconds']:.1f} s uninterrupted "
+          f"({full['seconds'] - resume['resumed_s']:.1f} s saved; its tokenization "
+          f"{resume['resumed_tokenize_s']:.1f} s against {full['tokenize_seconds']:.1f} s: "
+          f"{full['tokenize_seconds'] - resume['resumed_tokenize_s']:.1f} s saved)")
     if a.json:
-        a.json.write_text(json.dumps({"results": results, "resume": resume, "uninterrupted_s": full}, indent=1))
+        a.json.write_text(json.dumps({"results": results, "resume": resume, "uninterrupted_s": full["seconds"]},
+                                     indent=1))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ftcore-streaming-") as work:
         work = Path(work)
         corpus = work / "corpus.jsonl"
-        size = write_corpus(corpus, rows)
+        size = write_corpus(corpus, rows, vary=False)  # the corpus its RESULTS were measured on
         plan = work / "plan.toml"
         plan.write_text(PLAN.format(tokenizer=QWEN, corpus=corpus, steps=steps))
         samples: list[tuple[float, float]] = []

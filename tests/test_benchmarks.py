@@ -236,15 +236,19 @@ def test_real_positions_count_padding_out_of_every_mask_shape():
 
 @pytest.mark.slow
 def test_prepare_scale_tiny_mode(tmp_path):
-    """Each size is prepared and raw-tokenized to the same token count, and a preparation killed
-    halfway reuses the shards it finished and ends with the whole data's counts."""
+    """Each size is prepared by the ``ftcore prepare`` command and raw-tokenized to the same token
+    count, the peaks are the process's own, and a preparation killed halfway reuses the shards it
+    finished and ends with the whole data's counts."""
     out = bench("prepare_scale.py", "--tiny", "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())
     sizes = [r["rows"] for r in measured["results"]]
     assert sizes == [2_000, 4_000]
     for r in measured["results"]:
-        assert r["prepare"]["rows"] == r["rows"] and r["prepare"]["tokens"] == r["raw"]["tokens"] > r["rows"]
-        rate = r["prepare"]["tokens"] / r["prepare"]["seconds"] / (r["raw"]["tokens"] / r["raw"]["seconds"])
+        pr = r["prepare"]
+        assert pr["rows"] == r["rows"] and pr["tokens"] == r["raw"]["tokens"] > r["rows"]
+        assert 0 < pr["tokenize_seconds"] < pr["seconds"]
+        assert pr["peak_rss_mib"] > pr["rss_before_mib"] > 0 and pr["peak_above_mib"] > 0
+        rate = pr["tokens"] / pr["tokenize_seconds"] / (r["raw"]["tokens"] / r["raw"]["seconds"])
         assert f"| {r['rows']:,} |" in out and f"| {rate:.2f} |" in out
     resume = measured["resume"]
     assert resume["shards"] == 8 and 4 <= resume["finished_when_killed"] <= resume["shards_reused"] < 8

@@ -4,11 +4,13 @@
 
 Each size runs in a process of its own, which makes its rows (C4-like: 30-120 words drawn from
 the words of ../shared/fixtures/data/c4_demo.jsonl, so nearly every row is new) batch by batch,
-never holding them, and puts them through what ``clean_and_split`` holds across a corpus: the
-exact-dedup digest set and kept indices, and for near dedup ftcore's ``NearDuplicates`` index.
-The measure is the growth of the process's anonymous memory (RssAnon) from before the first row
-to after the last, with every structure still alive: file-backed pages (the Arrow data a source
-maps) are not counted, because they are the page cache's, not dedup's.
+never holding them, and puts them through what ``clean_and_split`` holds across a corpus: its
+``ExactDuplicates`` (16-byte digests, found repeating by one sort at the end) and the masks and
+kept indices, and for near dedup ftcore's ``NearDuplicates`` index as well. The measures are the
+growth of the process's anonymous memory (RssAnon) from before the first row to after the last,
+with every structure still alive, and its peak (VmHWM, the sort at the end included) above the RSS
+before the first row: file-backed pages (the Arrow data a source maps) are not counted, because
+they are the page cache's, not dedup's.
 
 ``--tiny`` (the test's mode): 5,000 and 10,000 rows.
 """
@@ -16,7 +18,6 @@ maps) are not counted, because they are the page cache's, not dedup's.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import random
 import subprocess
@@ -40,35 +41,40 @@ def words() -> list[str]:
 
 
 def arm(rows: int, kind: str) -> dict:
-    from ftcore_plugins.data._quality import NearDuplicates, normalized_text
+    import numpy as np
+
+    from ftcore import memory
+    from ftcore_plugins.data._quality import ExactDuplicates, NearDuplicates, normalized_text
 
     rng, vocab = random.Random(rows), words()
-    before = rss_anon()
-    seen: set[bytes] = set()
-    keep: list[int] = []
+    before, rss_before = rss_anon(), memory.snapshot()["rss_mib"]
+    memory.reset_peak()
+    passed = np.zeros(rows, dtype=bool)  # by the filters, as clean_and_split holds it
+    exact = ExactDuplicates()
     near = NearDuplicates(0.7, seed=42) if kind == "near" else None
+    near_new = np.zeros(rows, dtype=bool) if near is not None else None
     start = time.perf_counter()
     for first in range(0, rows, 10_000):
         texts = [normalized_text({"text": " ".join(rng.choices(vocab, k=rng.randint(30, 120)))})
                  for _ in range(min(10_000, rows - first))]
-        fresh = []
-        for i, text in enumerate(texts, first):
-            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
-            if digest not in seen:
-                seen.add(digest)
-                fresh.append((i, text))
-        kept = near.new([t for _, t in fresh]) if near is not None else [True] * len(fresh)
-        keep.extend(i for (i, _), k in zip(fresh, kept) if k)
+        passed[first:first + len(texts)] = True
+        exact.add(texts)
+        if near is not None:
+            near_new[first:first + len(texts)] = near.new(texts)
+    repeats = exact.repeats()
+    keep = np.flatnonzero(near_new) if near is not None else np.flatnonzero(passed)[~repeats]
     seconds = time.perf_counter() - start
     grown = rss_anon() - before
+    peak = (memory.snapshot()["peak_rss_mib"] - rss_before) * 2**20
     return {"rows": rows, "kind": kind, "kept": len(keep), "bytes": grown, "bytes_per_row": grown / rows,
-            "seconds": seconds}
+            "peak_bytes": peak, "peak_bytes_per_row": peak / rows, "seconds": seconds}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[100_000, 250_000, 500_000, 1_000_000])
     p.add_argument("--tiny", action="store_true", help="5,000 and 10,000 rows (the test's mode)")
+    p.add_argument("--kinds", nargs="+", choices=["exact", "near"], default=["exact", "near"])
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--arm", nargs=2, metavar=("ROWS", "KIND"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -77,17 +83,19 @@ def main() -> None:
         return
     results = []
     for rows in ([5_000, 10_000] if a.tiny else sorted(a.rows)):
-        for kind in ("exact", "near"):
+        for kind in a.kinds:
             out = subprocess.run([sys.executable, __file__, "--arm", str(rows), kind], capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{kind} at {rows} rows failed:\n{out.stderr[-3000:]}")
             results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"machine: {machine()}")
-    print("| rows | dedup | rows kept | memory held (MiB) | bytes a row | per million rows (GiB) | seconds |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| rows | dedup | rows kept | memory held (MiB) | bytes a row | per million rows (GiB) | peak (MiB) | "
+          "peak bytes a row | seconds |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(f"| {r['rows']:,} | {r['kind']} | {r['kept']:,} | {r['bytes'] / 2**20:.1f} | {r['bytes_per_row']:,.0f} | "
-              f"{r['bytes_per_row'] * 1e6 / 2**30:.2f} | {r['seconds']:.1f} |")
+              f"{r['bytes_per_row'] * 1e6 / 2**30:.2f} | {r['peak_bytes'] / 2**20:.1f} | "
+              f"{r['peak_bytes_per_row']:,.0f} | {r['seconds']:.1f} |")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 

@@ -236,8 +236,8 @@ def test_real_positions_count_padding_out_of_every_mask_shape():
 
 @pytest.mark.slow
 def test_prepare_scale_tiny_mode(tmp_path):
-    """Each size is prepared by the ``ftcore prepare`` command and raw-tokenized to the same token
-    count, the peaks are the process's own, and a preparation killed halfway reuses the shards it
+    """Each size is prepared by the ``ftcore prepare`` command (which drops the few rows its filters
+    call non-text) and raw-tokenized, the peaks are the process's own, and a preparation killed halfway reuses the shards it
     finished and ends with the whole data's counts."""
     out = bench("prepare_scale.py", "--tiny", "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())
@@ -245,7 +245,7 @@ def test_prepare_scale_tiny_mode(tmp_path):
     assert sizes == [2_000, 4_000]
     for r in measured["results"]:
         pr = r["prepare"]
-        assert pr["rows"] == r["rows"] and pr["tokens"] == r["raw"]["tokens"] > r["rows"]
+        assert r["raw"]["rows"] == r["rows"] and 0.99 * r["rows"] <= pr["rows"] <= r["rows"] < pr["tokens"]
         assert 0 < pr["tokenize_seconds"] < pr["seconds"]
         assert pr["peak_rss_mib"] > pr["rss_before_mib"] > 0 and pr["peak_above_mib"] > 0
         rate = pr["tokens"] / pr["tokenize_seconds"] / (r["raw"]["tokens"] / r["raw"]["seconds"])
@@ -263,11 +263,11 @@ def test_dedup_memory_tiny_mode(tmp_path):
     results = json.loads((tmp_path / "r.json").read_text())
     assert [(r["rows"], r["kind"]) for r in results] == [(5_000, "exact"), (5_000, "near"), (10_000, "exact"),
                                                           (10_000, "near")]
-    for r in results:
-        assert r["kept"] == r["rows"] and r["bytes"] > 0
+    for r in results:  # (exact's 16 bytes a row may fit in the heap's free space: no growth to see at 5,000)
+        assert r["kept"] == r["rows"]
         assert f"| {r['rows']:,} | {r['kind']} | {r['kept']:,} | {r['bytes'] / 2**20:.1f} |" in out
     exact, near = results[2], results[3]
-    assert near["bytes"] > exact["bytes"]
+    assert near["bytes"] > exact["bytes"] and near["bytes"] > 0
 
 
 @pytest.mark.slow

@@ -53,6 +53,17 @@ def test_near_dedup_drops_a_one_word_edit_and_keeps_different_texts():
     assert len(out["train"]) == 3
 
 
+def test_near_dedup_counts_exact_repeats_apart_from_near_duplicates():
+    """Near dedup sees every row that passes the filters: an exact repeat (case and spacing aside) is
+    dropped and counted as a duplicate, a one-word edit as a near-duplicate; the first of each stays."""
+    edited = LONG.replace("lazy", "sleepy")
+    different = "a completely different sentence about cooking pasta with tomatoes garlic and basil " * 2
+    rows = [text(LONG), text(LONG.upper()), text(edited), text(different), text(LONG), text(edited)]
+    out, stats = run(rows, dedup="near")
+    assert out["train"]["text"] == [LONG, different]
+    assert stats["dropped_duplicate"] == 3 and stats["dropped_near_duplicate"] == 1 and stats["rows_kept"] == 2
+
+
 def test_filters_count_each_reason():
     rows = [text(""), text("   "), text("hi"), text("fine text here"), text("x" * 500),
             text("binary \x00\x01 junk"), text(base64.b64encode(bytes(range(200))).decode()), text("def f(x): return x * 2  # code is text")]

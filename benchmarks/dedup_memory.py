@@ -2,15 +2,15 @@
 
     python benchmarks/dedup_memory.py [--rows 100000 250000 500000 1000000] [--tiny]
 
-Each size runs in a process of its own, which makes its rows (C4-like: 30-120 words drawn from
-the words of ../shared/fixtures/data/c4_demo.jsonl, so nearly every row is new) batch by batch,
-never holding them, and puts them through what ``clean_and_split`` holds across a corpus: its
-``ExactDuplicates`` (16-byte digests, found repeating by one sort at the end) and the masks and
-kept indices, and for near dedup ftcore's ``NearDuplicates`` index as well. The measures are the
-growth of the process's anonymous memory (RssAnon) from before the first row to after the last,
-with every structure still alive, and its peak (VmHWM, the sort at the end included) above the RSS
-before the first row: file-backed pages (the Arrow data a source maps) are not counted, because
-they are the page cache's, not dedup's.
+Each size runs in a process of its own, which makes its rows (C4-like: 30-120 words drawn from the
+words of ../shared/fixtures/data/c4_demo.jsonl, so nearly every row is new) batch by batch, never
+holding them, and puts them through what ``clean_and_split`` holds across a corpus: its
+``ExactDuplicates`` (8-byte digests, found repeating by one sort at the end) and the masks of the
+rows that pass and are kept, and for near dedup ftcore's ``NearDuplicates`` index as well. The
+measures are the growth of the process's anonymous memory (RssAnon) from before the first row to
+after the last, with every structure still alive, and its peak (VmHWM, the sort at the end included)
+above the RSS before the first row: file-backed pages (the Arrow data a source maps) are not
+counted, because they are the page cache's, not dedup's.
 
 ``--tiny`` (the test's mode): 5,000 and 10,000 rows.
 """
@@ -50,7 +50,7 @@ def arm(rows: int, kind: str) -> dict:
     before, rss_before = rss_anon(), memory.snapshot()["rss_mib"]
     memory.reset_peak()
     passed = np.zeros(rows, dtype=bool)  # by the filters, as clean_and_split holds it
-    exact = ExactDuplicates()
+    exact = ExactDuplicates(rows)
     near = NearDuplicates(0.7, seed=42) if kind == "near" else None
     near_new = np.zeros(rows, dtype=bool) if near is not None else None
     start = time.perf_counter()
@@ -62,11 +62,15 @@ def arm(rows: int, kind: str) -> dict:
         if near is not None:
             near_new[first:first + len(texts)] = near.new(texts)
     repeats = exact.repeats()
-    keep = np.flatnonzero(near_new) if near is not None else np.flatnonzero(passed)[~repeats]
+    keep = passed  # a mask over the rows, as clean_and_split keeps it
+    if near is not None:
+        keep = near_new
+    else:
+        keep[passed] = ~repeats
     seconds = time.perf_counter() - start
     grown = rss_anon() - before
     peak = (memory.snapshot()["peak_rss_mib"] - rss_before) * 2**20
-    return {"rows": rows, "kind": kind, "kept": len(keep), "bytes": grown, "bytes_per_row": grown / rows,
+    return {"rows": rows, "kind": kind, "kept": int(keep.sum()), "bytes": grown, "bytes_per_row": grown / rows,
             "peak_bytes": peak, "peak_bytes_per_row": peak / rows, "seconds": seconds}
 
 

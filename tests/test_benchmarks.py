@@ -263,7 +263,7 @@ def test_dedup_memory_tiny_mode(tmp_path):
     results = json.loads((tmp_path / "r.json").read_text())
     assert [(r["rows"], r["kind"]) for r in results] == [(5_000, "exact"), (5_000, "near"), (10_000, "exact"),
                                                           (10_000, "near")]
-    for r in results:  # (exact's 16 bytes a row may fit in the heap's free space: no growth to see at 5,000)
+    for r in results:  # (exact's 8 bytes a row may fit in the heap's free space: no growth to see at 5,000)
         assert r["kept"] == r["rows"]
         assert f"| {r['rows']:,} | {r['kind']} | {r['kept']:,} | {r['bytes'] / 2**20:.1f} |" in out
     exact, near = results[2], results[3]

@@ -92,15 +92,17 @@ def test_a_pass_over_a_memory_mapped_dataset_is_handed_back_as_it_goes(tmp_path)
     assert snapshot()["rss_mib"] - before < 0.1 * size_mib
 
 
-def test_exact_repeats_match_a_set_across_batches():
-    """Exact dedup's digests in numpy, sorted at the end, against a Python set fed in order."""
+@pytest.mark.parametrize("announced", [0, 1_000, 10_000])
+def test_exact_repeats_match_a_set_across_batches(announced):
+    """Exact dedup's digests in numpy, sorted at the end, against a Python set fed in order;
+    with the rows announced up front, too few of them (the array grows), or none."""
     import random
 
     from ftcore_plugins.data._quality import ExactDuplicates
 
     rng = random.Random(3)
     texts = [f"text {rng.randrange(3_000)}" for _ in range(10_000)]
-    exact = ExactDuplicates()
+    exact = ExactDuplicates(announced)
     for first in range(0, len(texts), 777):  # batches of uneven size
         exact.add(texts[first:first + 777])
     seen: set[str] = set()
@@ -112,6 +114,28 @@ def test_exact_repeats_match_a_set_across_batches():
     assert got.tolist() == expected
     assert 0 < got.sum() < len(texts) and not got[0]
     assert ExactDuplicates().repeats().tolist() == []
+
+
+def test_rows_kept_by_the_filters_are_an_indices_file_not_a_list_in_memory(tmp_path):
+    """The rows left after filters and dedup: the masked rows in order, their indices written to a
+    cache file beside the data (memory-mapped), not held as a list."""
+    import datasets
+    import numpy as np
+    from datasets.table import MemoryMappedTable
+
+    from ftcore_plugins.data._quality import rows_where
+
+    datasets.Dataset.from_dict({"n": list(range(50_000))}).save_to_disk(tmp_path / "rows")
+    data = datasets.load_from_disk(tmp_path / "rows")
+    mask = np.random.default_rng(0).random(len(data)) < 0.7
+    kept = rows_where(data, mask)
+    assert kept["n"] == np.flatnonzero(mask).tolist()
+    assert isinstance(kept._indices, MemoryMappedTable)
+    again = rows_where(data, mask)  # the same rows: datasets' cache
+    assert again._fingerprint == kept._fingerprint
+    other = mask.copy()
+    other[0] = not other[0]
+    assert rows_where(data, other)._fingerprint != kept._fingerprint
 
 
 def test_a_run_records_memory_at_each_point(tiny_project):

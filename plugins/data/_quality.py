@@ -96,7 +96,7 @@ def _shingles(text: str, n: int = 3) -> set[bytes]:
     return {" ".join(words[i:i + n]).encode() for i in range(len(words) - n + 1)}
 
 
-EXACT_BYTES_PER_ROW = 90  # exact dedup at its peak (the sort at the end), measured at 1M rows: 88 (RESULTS.md)
+EXACT_BYTES_PER_ROW = 60  # exact dedup at its peak (the sort at the end), measured at 1M rows: 60 (RESULTS.md)
 
 
 class ExactDuplicates:
@@ -256,9 +256,10 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
     if o.split_strategy != "random" and labels is None:
         raise FtcoreError(f"{where}: split_by = '{o.split_by}' but the rows have no such column "
                           f"(columns: {', '.join(kept.column_names)}); add it to keep = [...]")
-    train, validation = split_indices(len(kept), labels, o, where)
-    stats["train_rows"], stats["validation_rows"] = len(train), len(validation)
-    return {"train": kept.select(train), "validation": kept.select(validation)}
+    held = held_out(len(kept), labels, o, where)
+    stats["validation_rows"] = int(held.sum())
+    stats["train_rows"] = len(kept) - stats["validation_rows"]
+    return {"train": rows_where(kept, ~held), "validation": rows_where(kept, held)}
 
 
 def rows_where(data: Any, mask: Any) -> Any:
@@ -270,18 +271,21 @@ def rows_where(data: Any, mask: Any) -> Any:
                        batch_size=ARROW_BATCH_ROWS, writer_batch_size=ARROW_BATCH_ROWS, new_fingerprint=fingerprint)
 
 
-def split_indices(n: int, labels: list | None, o: QualityOptions, where: str) -> tuple[list[int], list[int]]:
-    """Seeded train/validation indices over ``n`` rows: random, stratified by ``labels``
-    (each value keeps its share on both sides), or grouped by them (a group never straddles)."""
+def held_out(n: int, labels: list | None, o: QualityOptions, where: str) -> Any:
+    """Which of ``n`` rows are held out for validation (a boolean array), seeded: at random,
+    stratified by ``labels`` (each value keeps its share on both sides), or grouped by them (a
+    group never straddles)."""
+    import numpy as np
+
     want = o.validation if isinstance(o.validation, int) else round(n * o.validation)
     if not 1 <= want < n:
         raise FtcoreError(f"{where}: validation = {o.validation} leaves {n - want} training rows of {n}; "
                           "choose a smaller share")
+    held = np.zeros(n, dtype=bool)
+    if o.split_strategy == "random":  # numpy: no Python list of the rows (a shuffled one took ~40 bytes a row)
+        held[np.random.default_rng(o.seed).choice(n, size=want, replace=False)] = True
+        return held
     rng = random.Random(o.seed)
-    if o.split_strategy == "random":
-        order = list(range(n))
-        rng.shuffle(order)
-        return sorted(order[want:]), sorted(order[:want])
     groups: dict[str, list[int]] = defaultdict(list)
     for i, value in enumerate(labels):
         groups[json.dumps(value, sort_keys=True, default=str)].append(i)
@@ -302,5 +306,5 @@ def split_indices(n: int, labels: list | None, o: QualityOptions, where: str) ->
         if len(validation) >= n:
             raise FtcoreError(f"{where}: split_by = '{o.split_by}' has too few groups to hold out {want} rows "
                               "and keep any for training")
-    held = set(validation)
-    return [i for i in range(n) if i not in held], sorted(held)
+    held[validation] = True
+    return held

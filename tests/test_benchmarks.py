@@ -270,6 +270,16 @@ def test_dedup_memory_tiny_mode(tmp_path):
     assert near["bytes"] > exact["bytes"] and near["bytes"] > 0
 
 
+def test_split_memory_tiny_mode(tmp_path):
+    """The split holds out a tenth of the rows it measured over, and the table prints what was measured."""
+    out = bench("split_memory.py", "--tiny", "--json", str(tmp_path / "r.json"))
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert (r["rows"], r["train"], r["validation"]) == (20_000, 18_000, 2_000)
+    assert r["peak_above_mib"] >= r["held_mib"]
+    assert (f"| 20,000 | 18,000 | 2,000 | {r['peak_above_mib']:.0f} | {r['held_mib']:.0f} | "
+            f"{r['seconds']:.1f} |") in out
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED / "tokenizers" / "qwen25").exists(), reason="../shared fixtures absent")
 def test_streaming_tiny_mode(tmp_path):

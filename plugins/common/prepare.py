@@ -72,7 +72,7 @@ def data_fingerprint(rows: Any) -> str:
 
     h = hashlib.sha256()
     h.update(json.dumps(sorted(rows.column_names)).encode())
-    for table in rows.with_format("arrow").iter(batch_size=10_000):
+    for table in rows.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)

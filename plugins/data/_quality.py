@@ -215,7 +215,7 @@ def clean_and_split(data: Any, o: QualityOptions, stats: dict[str, Any], where: 
     if near is not None and warn is not None and (message := memory_warning(len(data), near.BYTES_PER_ROW, where)):
         warn(message)
     offset = 0
-    for batch in data.iter(batch_size=10_000):  # memory-mapped: the pages read are handed back
+    for batch in data.iter(batch_size=ARROW_BATCH_ROWS):  # memory-mapped: the pages read are handed back
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         candidates: list[tuple[int, str]] = []
         for i, row in enumerate(rows, offset):

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from ftcore_plugins.trainers._packing import PER_SAMPLE_SDPA, block_causal_mask, per_sample_sdpa, register  # noqa: E402
+from ftcore_plugins.trainers._packing import PER_SAMPLE_SDPA, BinnedBatches, block_causal_mask, per_sample_sdpa, \
+    register  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma3_text"]
 
@@ -45,7 +46,7 @@ def _alone(model, batch, bins):
     for row in bins:
         start = 0
         for length in row["seq_lengths"]:
-            ids = torch.tensor([row["input_ids"][start:start + length]])
+            ids = torch.tensor([row["input_ids"][start:start + length]], device=model.device)
             pieces.append(model(input_ids=ids, use_cache=False).logits)
             start += length
     return torch.cat(pieces, dim=1)
@@ -122,9 +123,116 @@ def test_only_a_packed_stage_on_sdpa_switches_and_it_switches_back():
     with per_sample_sdpa(model, packed=False) as path:
         assert path is None and model.config._attn_implementation == "sdpa"
     with pytest.raises(RuntimeError), per_sample_sdpa(model, packed=True) as path:
-        assert path == "per-sample sdpa" and model.config._attn_implementation == PER_SAMPLE_SDPA
+        assert path == "sdpa_per_sample" and model.config._attn_implementation == PER_SAMPLE_SDPA
         raise RuntimeError("a stage that fails")
     assert model.config._attn_implementation == "sdpa"
     model.set_attn_implementation("eager")
     with per_sample_sdpa(model, packed=True) as path:  # what the plan asked for is kept
         assert path == "eager" and model.config._attn_implementation == "eager"
+
+
+def _binned(lengths: list[int], seed: int = 0):
+    """The batch of the binned paths (``flex``, ``sdpa_block``): one row per best-fit bin."""
+    from trl.data_utils import pack_dataset
+
+    from ftcore_plugins.trainers._packing import BinnedBatches
+
+    rng = random.Random(seed)
+    samples = [[rng.randrange(3, 120) for _ in range(n)] for n in lengths]
+    bins = pack_dataset(datasets.Dataset.from_list([{"input_ids": s, "labels": s} for s in samples]),
+                        max(lengths) * 2, strategy="bfd")
+    batch = BinnedBatches(pad_token_id=0)(list(bins))
+    assert "attention_mask" not in batch and batch["input_ids"].shape[0] == len(bins) > 1
+    return batch, bins
+
+
+def _unbinned(logits, bins):
+    """The samples' logits of a binned batch, in the order :func:`_alone` gives them (padding left out)."""
+    return torch.cat([logits[row:row + 1, :len(b["input_ids"])] for row, b in enumerate(bins)], dim=1)
+
+
+def _binned_against_alone(path: str, model_type: str, *, grads: bool, device: str = "cpu"):
+    from ftcore_plugins.trainers._packing import KERNELS, attention_for
+
+    extra = {"sliding_window": 6} if model_type in ("mistral", "gemma3_text") else {}  # windows inside samples too
+    model = _model(model_type, **extra).to(device)
+    batch, bins = _binned([5, 9, 14, 22, 7, 30, 3, 12], seed=len(model_type))
+    batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
+    assert batch[BinnedBatches.REAL_TOKENS] == sum(len(b["input_ids"]) for b in bins)
+    with torch.set_grad_enabled(grads):
+        reference = _alone(model, batch, bins)
+        if grads:
+            reference.square().mean().backward()
+            expected = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+        with attention_for(model, path):
+            assert model.config._attn_implementation == KERNELS[path]
+            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            packed = _unbinned(out, bins)
+            if grads:
+                packed.square().mean().backward()
+        assert model.config._attn_implementation == "sdpa"
+        assert (packed - reference).abs().max().item() < 1e-5
+        if grads:
+            for got, want in zip((p.grad for p in model.parameters()), expected):
+                assert (got - want).abs().max().item() < 1e-5
+        # The check can fail: the same bins with causal attention over each whole bin let samples see each other.
+        crossed = _unbinned(model(input_ids=batch["input_ids"], use_cache=False).logits, bins)
+        assert (crossed - reference).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_sdpa_block_gives_each_sample_its_logits_and_gradients_alone(model_type):
+    """The GPU's fallback path, run here: SDPA with transformers' block-diagonal mask per bin, built once a
+    forward pass from the collator's position ids (sliding windows included)."""
+    _binned_against_alone("sdpa_block", model_type, grads=True)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_flex_gives_each_sample_its_logits_alone(model_type):
+    """flex attention's BlockMask per bin, on a CPU: the forward pass (torch 2.13 has no flex backward on a
+    CPU, so validation refuses the path there; the gradients are checked on a GPU, below)."""
+    from ftcore_plugins.trainers._packing import path_problem
+
+    assert "no backward pass on a CPU" in path_problem("flex", "cpu")
+    _binned_against_alone("flex", model_type, grads=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward runs on a GPU only")
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_flex_gives_each_sample_its_logits_and_gradients_alone_on_a_gpu(model_type):
+    _binned_against_alone("flex", model_type, grads=True, device="cuda")
+
+
+def test_binned_batches_label_each_samples_first_token_and_the_padding_out():
+    from ftcore_plugins.trainers._packing import BinnedBatches
+
+    batch = BinnedBatches(pad_token_id=0)([
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "seq_lengths": [2, 3]},
+        {"input_ids": [3, 4], "labels": [-100, 4], "seq_lengths": [2]}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [3, 4, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 0, 1, 2]]
+    assert batch["labels"].tolist() == [[-100, 6, -100, 8, 9], [-100, 4, -100, -100, -100]]
+    assert batch[BinnedBatches.REAL_TOKENS] == 7
+
+
+def test_the_path_follows_the_device_and_what_is_installed(monkeypatch):
+    """``auto`` takes the device's order (device_defaults): per-sample SDPA on a CPU; on a GPU varlen
+    flash attention where flash-attn is installed, else flex attention, else SDPA's block mask."""
+    import importlib.util
+
+    from ftcore_plugins.trainers import _packing
+    from ftcore_plugins.trainers._packing import choose_path
+
+    model = _model("llama")
+    assert choose_path("auto", model, "cpu") == "sdpa_per_sample"
+    assert choose_path("sdpa_block", model, "cpu") == "sdpa_block"
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find(name, *a))
+    assert choose_path("auto", model, "cuda") == "flex"
+    monkeypatch.setattr(_packing, "path_problem", lambda path, device: "absent" if path in ("varlen", "flex") else None)
+    assert choose_path("auto", model, "cuda") == "sdpa_block"
+    monkeypatch.setattr(_packing, "path_problem", lambda path, device: None)
+    assert choose_path("auto", model, "cuda") == "varlen"
+    model.set_attn_implementation("eager")  # what the plan asked for is kept, on the bins
+    assert choose_path("auto", model, "cuda") == "eager"

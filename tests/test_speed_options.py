@@ -33,6 +33,10 @@ def _stage(**options):
     ({"model": {"attn_implementation": "flash_attention_3"}},
      "model.attn_implementation: flash_attention_3 needs a CUDA GPU and none is visible here"),
     (_stage(liger=True), "stage[0].liger: Liger's kernels are Triton kernels for CUDA GPUs, and none is visible"),
+    (_stage(loss_kernel="liger"),
+     "stage[0].loss_kernel: Liger's kernels are Triton kernels for CUDA GPUs, and none is visible"),
+    (_stage(packing=True, packed_attention="varlen"),
+     "stage[0].packed_attention: varlen flash attention needs a CUDA GPU"),
 ])
 def test_gpu_only_options_are_refused_here_in_one_line(tmp_path, overrides, expected):
     code, lines = _validate(tmp_path, overrides)
@@ -84,17 +88,24 @@ def test_attention_kernels_train_the_same(tmp_path):
     from ftcore_plugins.trainers._packing import PER_SAMPLE_SDPA
 
     runs = {}
-    for kernel in ("eager", "sdpa"):
-        plan = write_plan(tmp_path, {"run": {"name": kernel}, "model": {"attn_implementation": kernel},
+    # name: (the model's kernel, the stage's packed_attention); eager runs the bins with their masks
+    arms = {"eager": ("eager", "auto"), "sdpa": ("sdpa", "auto"), "sdpa-block": ("sdpa", "sdpa_block")}
+    for name, (kernel, path) in arms.items():
+        plan = write_plan(tmp_path, {"run": {"name": name}, "model": {"attn_implementation": kernel},
                                      **_stage(adapter="full", max_steps=4, packing=True, logging_steps=1,
-                                              save_steps=2, eval_data="chat_eval", eval_steps=4)},
-                          name=f"{kernel}.toml")
-        runs[kernel] = run_ftcore("run", plan, cwd=tmp_path, in_process=True).check()
+                                              save_steps=2, eval_data="chat_eval", eval_steps=4,
+                                              packed_attention=path)},
+                          name=f"{name}.toml")
+        runs[name] = run_ftcore("run", plan, cwd=tmp_path, in_process=True).check()
     losses = {k: r.losses("s") for k, r in runs.items()}
-    assert len(losses["sdpa"]) == 4 and losses["sdpa"] == pytest.approx(losses["eager"], abs=1e-5)
-    assert runs["sdpa"].stage_metrics("s")["eval_loss"] == pytest.approx(
-        runs["eager"].stage_metrics("s")["eval_loss"], abs=1e-5)
-    assert {r.get("packed_attention") for r in runs["sdpa"].metrics} >= {"per-sample sdpa"}
+    for name in ("sdpa", "sdpa-block"):
+        assert len(losses[name]) == 4 and losses[name] == pytest.approx(losses["eager"], abs=1e-5)
+        assert runs[name].stage_metrics("s")["eval_loss"] == pytest.approx(
+            runs["eager"].stage_metrics("s")["eval_loss"], abs=1e-5)
+        # every real token counted once, the bins' padding left out
+        assert runs[name].stage_metrics("s")["train_tokens"] == runs["eager"].stage_metrics("s")["train_tokens"]
+    assert {r.get("packed_attention") for r in runs["sdpa"].metrics} >= {"sdpa_per_sample"}
+    assert {r.get("packed_attention") for r in runs["sdpa-block"].metrics} >= {"sdpa_block"}
     assert {r.get("packed_attention") for r in runs["eager"].metrics} >= {"eager"}
     saved = list((tmp_path / "runs" / "sdpa").rglob("config.json"))
     assert saved and all(PER_SAMPLE_SDPA not in p.read_text() and json.loads(p.read_text()) for p in saved)

@@ -334,8 +334,7 @@ def attach_guard(trainer: Any, guard: StabilityGuard, totals: StageTotals | None
         def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
             loss = torch.stack(held).sum()
             held.clear()
-            grad_norm = float(norm[0]) if norm[0] is not None else None
-            value = _mean_over_ranks(loss)
+            value, grad_norm = to_host(_mean_over_ranks(loss), norm[0])
             if guard.check(state.global_step + 1, value, grad_norm):
                 for group in optimizer.param_groups:
                     for p in group["params"]:
@@ -350,12 +349,22 @@ def attach_guard(trainer: Any, guard: StabilityGuard, totals: StageTotals | None
     return Guard()
 
 
-def _mean_over_ranks(loss: Any) -> float:
-    """The step's loss averaged over ranks, as the Trainer logs it; a NaN on any rank shows."""
+def _mean_over_ranks(loss: Any) -> Any:
+    """The step's loss averaged over ranks, as the Trainer logs it (a tensor); a NaN on any rank shows."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         loss = loss.detach().clone()
         dist.all_reduce(loss)
         loss /= dist.get_world_size()
-    return loss.item()
+    return loss
+
+
+def to_host(loss: Any, grad_norm: Any) -> tuple[float, float | None]:
+    """The step's loss and gradient norm as floats, read from the device together: one host sync a step."""
+    import torch
+
+    if isinstance(grad_norm, torch.Tensor) and grad_norm.device == loss.device:
+        both = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())]).tolist()
+        return both[0], both[1]
+    return loss.item(), None if grad_norm is None else float(grad_norm)

@@ -1,11 +1,15 @@
 """The language-model loss of ``sft`` and ``pretrain`` (and trainers built on them).
 
-``loss_kernel`` picks how it is computed:
+``loss_kernel`` picks how it is computed (``auto``, the default: the device's first that runs, from
+``plugins/common/device_defaults.py``: ``liger`` then ``chunked`` on a GPU, ``chunked`` on a CPU):
 
-- ``chunked`` (the default): cross-entropy on the trained tokens only, 16M logits at a time
+- ``chunked``: cross-entropy on the trained tokens only, 16M logits at a time
   (about 110 rows of a 150k vocabulary). Each chunk's gradient is computed in the forward pass,
   while its logits are at hand, so the backward pass only scales it: the same matrix products as
-  the plain loss, and no more than one chunk's logits ever exist. Plain torch, so it runs wherever the model does.
+  the plain loss, and no more than one chunk's logits ever exist. Plain torch, so it runs wherever the
+  model does; no host sync inside the loop. The chunk's size is the device's (16M logits on a CPU, 64M
+  on a GPU, where fewer rows leave the head's products bound by reading its weight).
+- ``liger``: Liger's fused linear cross-entropy (Triton, CUDA), on the same trained positions.
 - ``full``: the whole sequence's logits, then cross-entropy (what transformers does); the
   reference the others are checked against.
 - ``trl``: TRL's fused LM head as ``trl.SFTTrainer`` ships it (tiled, recomputed in backward, with
@@ -28,17 +32,18 @@ from pydantic import Field
 from ftcore.component import Options
 from ftcore.memory import gpu_visible
 
-LossKernel = Literal["chunked", "full", "trl"]  # "liger" is what "chunked" becomes with liger = true
+LossKernel = Literal["auto", "chunked", "liger", "full", "trl"]
 
-# Logit elements per chunk (fp32): 16M is 64 MiB, ~110 tokens of a 150k vocabulary, and a few
-# temporaries of that size live at once. Large enough that the products stay efficient.
+# Logit elements per chunk (fp32) on a CPU: 16M is 64 MiB, ~110 tokens of a 150k vocabulary, and a few
+# temporaries of that size live at once. Large enough that the products stay efficient. A GPU's is
+# device_defaults.CUDA.loss_chunk_elements.
 CHUNK_ELEMENTS = 1 << 24
 
 
 class LossOptions(Options):
     """The options of the trainers whose loss is next-token cross-entropy."""
 
-    loss_kernel: LossKernel = "chunked"  # how the loss is computed (see docs/trainers.md)
+    loss_kernel: LossKernel = "auto"  # how the loss is computed; auto: the device's fastest (docs/trainers.md)
     log_entropy: bool = False  # also log the mean entropy of the predictions (one more pass over the logits)
     liger: bool = False  # Liger's Triton kernels: the layers, and the loss (fused linear cross-entropy); CUDA only
     neftune_noise_alpha: float | None = Field(None, gt=0, le=1000)  # NEFTune: noise on the embeddings in training
@@ -48,13 +53,15 @@ def loss_problems(o: LossOptions) -> list[str]:
     """``ftcore validate`` problems of the loss options on this machine."""
     import importlib.util
 
-    if not o.liger:
+    key = "liger" if o.liger else "loss_kernel" if o.loss_kernel == "liger" else None
+    if key is None:
         return []
     if not gpu_visible():
-        return ["liger: Liger's kernels are Triton kernels for CUDA GPUs, and none is visible here; "
-                "remove liger = true (the default chunked loss already keeps the logits small)"]
+        return [f"{key}: Liger's kernels are Triton kernels for CUDA GPUs, and none is visible here; "
+                f"remove {key} = {'true' if o.liger else chr(34) + 'liger' + chr(34)} (the default chunked loss "
+                "already keeps the logits small)"]
     if importlib.util.find_spec("liger_kernel") is None:
-        return ["liger: the liger-kernel package is not installed (pip install 'ftcore[liger]')"]
+        return [f"{key}: the liger-kernel package is not installed (pip install 'ftcore[liger]')"]
     return []
 
 
@@ -154,12 +161,23 @@ def logit_transform(config: Any) -> tuple[float | None, float] | None:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
-def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: bool = False) -> str:
-    """``chunked`` where it reproduces the model's loss exactly (``liger`` with ``liger``, where no
-    logit scale is needed); else ``trl`` for an LM head that FSDP or ZeRO-3 shards (``sharded``: TRL's
-    kernel gathers it), and ``full`` for a mixture of experts' auxiliary loss or a logit transform
-    this loss does not know. ``model`` may be PEFT-wrapped."""
-    if kernel != "chunked":
+def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: bool = False,
+                   device: str | None = None) -> str:
+    """The loss kernel a stage runs. ``auto``: the first of ``device``'s defaults (the model's device when
+    None) that runs here: ``liger`` where liger-kernel is installed on a GPU, else ``chunked``.
+    ``chunked`` (and ``liger``) where it reproduces the model's loss exactly (``chunked`` becomes
+    ``liger`` with ``liger``, where no logit scale is needed); else ``trl`` for an LM head that FSDP or
+    ZeRO-3 shards (``sharded``: TRL's kernel gathers it), and ``full`` for a mixture of experts'
+    auxiliary loss or a logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
+    import importlib.util
+
+    from ftcore_plugins.common.device_defaults import defaults, model_device
+
+    if kernel == "auto":
+        device = device or model_device(model)
+        runs = {"liger": device == "cuda" and importlib.util.find_spec("liger_kernel") is not None}
+        kernel = next((k for k in defaults(device).loss_kernels if runs.get(k, True)), "chunked")
+    if kernel not in ("chunked", "liger"):
         return kernel
     if sharded:
         return "trl"
@@ -174,17 +192,24 @@ def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: boo
         return "full"
     if not hasattr(base, getattr(base, "base_model_prefix", "") or "\0"):
         return "full"
-    if liger and transform[1] == 1.0:
+    if (kernel == "liger" or liger) and transform[1] == 1.0:
         return "liger"
-    return kernel
+    return "chunked"
 
 
-def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False) -> None:
+def chunk_elements(model: Any) -> int:
+    """Logits per chunk of the chunked loss on ``model``'s device."""
+    from ftcore_plugins.common.device_defaults import defaults, model_device
+
+    return defaults(model_device(model)).loss_chunk_elements
+
+
+def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False, chunk: int | None = None) -> None:
     """Patch the transformers model under ``model`` (PEFT's base model) so that
     ``model(..., labels=labels, chunked_loss=True)`` returns a ``ChunkedLoss`` (the summed loss
     of the shifted labels, the trained tokens, the correct ones, the entropy) instead of logits:
     from :func:`chunked_cross_entropy`, or with ``liger`` from Liger's fused linear cross-entropy
-    (which gives no entropy).
+    (which gives no entropy). ``chunk``: logits per chunk (default: the device's).
     Without ``chunked_loss`` the forward is the original one: generation is unchanged.
     ``strip_forward_patches`` removes the patch, as it removes TRL's."""
     import types
@@ -194,6 +219,7 @@ def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False) -> None:
     softcap, scale = logit_transform(base.config)
     output = _output_class()
     prefix = base.base_model_prefix
+    chunk = chunk or chunk_elements(base)
     if liger:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -217,7 +243,8 @@ def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False) -> None:
             nll, correct, entropy_sum = out.loss, (out.token_accuracy * wanted.numel()).round().long(), None
         else:
             nll, correct, entropy_sum = chunked_cross_entropy(trained, head.weight, head.bias, wanted,
-                                                              softcap=softcap, scale=scale, entropy=entropy)
+                                                              softcap=softcap, scale=scale, entropy=entropy,
+                                                              chunk_elements=chunk)
         return output(loss=nll, tokens=mask.sum(), correct=correct, entropy=entropy_sum)
 
     base.forward = types.MethodType(forward, base)
@@ -265,23 +292,33 @@ def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens
     import torch
 
     gather = trainer.accelerator.gather_for_metrics
-    n = gather(tokens.detach()).sum()
+    n = gather(tokens.detach()).sum().clamp(min=1)  # no trained token: accuracy and entropy 0, as TRL logs
+    values = [gather(correct.detach()).sum() / n]
     if entropy_sum is not None:
-        total = gather(entropy_sum.detach()).sum()
-        trainer._metrics[mode]["entropy"].append((total / n).item() if n > 0 else 0.0)
-    right = gather(correct.detach()).sum()
-    trainer._metrics[mode]["mean_token_accuracy"].append((right / n).item() if n > 0 else 0.0)
+        values.append(gather(entropy_sum.detach()).sum() / n)
+    seen = None
     if mode == "train":
         if "attention_mask" in inputs:
-            seen = gather(inputs["attention_mask"].sum()).sum().item()
-        else:  # padding-free packing: one row of position ids
+            values.append(gather(inputs["attention_mask"].sum()).sum())
+        else:  # padding-free packing: one row of position ids, its length known on the host
             ids = inputs["position_ids"]
-            seen = gather(torch.tensor(ids.size(1), device=ids.device)).sum().item()
+            seen = ids.size(1) if trainer.accelerator.num_processes == 1 else \
+                gather(torch.tensor(ids.size(1), device=ids.device)).sum()
+            if not isinstance(seen, int):
+                values.append(seen)
+                seen = None
+    # One host sync for every number of the step, not one each.
+    host = torch.stack([v.double() for v in values]).tolist()
+    trainer._metrics[mode]["mean_token_accuracy"].append(host[0])
+    if entropy_sum is not None:
+        trainer._metrics[mode]["entropy"].append(host[1])
+    if mode == "train":
+        seen = int(host[-1]) if seen is None else seen
         trainer._total_train_tokens += seen // trainer._tp_size
     trainer._metrics[mode]["num_tokens"] = [trainer._total_train_tokens]
 
 
-def with_chunked_loss(trainer_cls: type, *, entropy: bool, liger: bool = False) -> type:
+def with_chunked_loss(trainer_cls: type, *, entropy: bool, liger: bool = False, chunk: int | None = None) -> type:
     """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` whose loss is
     :func:`chunked_cross_entropy` (or Liger's, with ``liger``) through :func:`add_chunked_head`."""
     import torch
@@ -289,7 +326,7 @@ def with_chunked_loss(trainer_cls: type, *, entropy: bool, liger: bool = False) 
     class ChunkedLossTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            add_chunked_head(self.model, entropy=entropy, liger=liger)
+            add_chunked_head(self.model, entropy=entropy, liger=liger, chunk=chunk)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             mode = "train" if self.model.training else "eval"

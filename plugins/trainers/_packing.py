@@ -1,14 +1,22 @@
-"""Attention for packed batches that costs what the samples cost, with SDPA too.
+"""The attention of packed batches, chosen per device: library kernels on a GPU, SDPA per sample on a CPU.
 
-With ``packing = true`` TRL packs samples best-fit into bins of ``max_length`` and its padding-free
-collator concatenates a batch's bins into one row, with position ids restarting per sample and the
-sample boundaries as ``cu_seq_lens_q``/``cu_seq_lens_k``. The varlen flash kernels use those
-boundaries. SDPA and eager attention instead get a block-diagonal mask over the whole row
-(batch x max_length positions) and compute every pair in it, so their cost grows with the square of
-the row. :func:`per_sample_attention` runs SDPA's causal kernel sample by sample on such a row: the
-same result, for the cost of the samples alone. Training a packed stage selects it in place of
-``sdpa`` (:func:`per_sample_sdpa`); every other input, and every model feature it does not handle,
-goes to transformers' own SDPA with the mask transformers builds.
+With ``packing = true`` TRL packs samples best-fit into bins of ``max_length``. How a batch of bins
+reaches the model, and which attention runs on it, is the stage's ``packed_attention``:
+
+- ``varlen``: TRL's padding-free collator concatenates the bins into one row, with the sample
+  boundaries (``cu_seq_lens_q``/``cu_seq_lens_k``, ``max_length_q``) computed on the host; the model
+  runs flash attention's varlen kernel (``flash_attention_2``; needs CUDA and ``flash-attn``).
+- ``flex`` and ``sdpa_block``: one row per bin (:class:`BinnedBatches`), position ids restarting per
+  sample and no attention mask, so transformers builds the packed-sequence mask once per forward
+  pass, shared by every layer (a ``BlockMask`` for ``flex_attention``, a block-diagonal mask of
+  ``max_length`` squared per bin for SDPA), sliding windows included. No loop over samples.
+- ``sdpa_per_sample``: the one row of ``varlen``, and SDPA's causal kernel run sample by sample
+  (:func:`per_sample_attention`): on a CPU the cheapest (``benchmarks/RESULTS.md``, Packing), on a
+  GPU thousands of small kernels a step.
+- ``auto``: the first of the device's order (``plugins/common/device_defaults.py``) that runs here.
+
+A model loaded with another kernel than SDPA keeps it: flash kernels take the row, flex attention
+and eager attention the bins. The model's own kernel is back once the stage has trained.
 """
 
 from __future__ import annotations
@@ -59,7 +67,11 @@ def per_sample_attention(module: Any, query: Any, key: Any, value: Any, attentio
 def sample_edges(length: int, cu_seq_lens: Any, position_ids: Any) -> list[int]:
     """Where each sample of a packed row starts, and the row's end."""
     if cu_seq_lens is not None:
-        return [int(e) for e in cu_seq_lens.tolist()]
+        # Every layer gets the same tensor: read it once a forward pass (on a GPU, one host sync, not one a layer).
+        edges = getattr(cu_seq_lens, "_ftcore_edges", None)
+        if edges is None:
+            edges = cu_seq_lens._ftcore_edges = [int(e) for e in cu_seq_lens.tolist()]
+        return edges
     if position_ids is not None:
         ids = position_ids.reshape(-1)
         starts = (ids[1:] - ids[:-1] != 1).nonzero().flatten() + 1
@@ -106,29 +118,152 @@ def register() -> None:
     AttentionMaskInterface.register(PER_SAMPLE_SDPA, per_sample_mask)
 
 
-def packed_attention(model: Any) -> str:
-    """The attention a packed (padding-free) batch gets on ``model``: ``"per-sample sdpa"`` where
-    :func:`per_sample_sdpa` applies, else the model's own kernel (flash kernels are varlen already,
-    flex attention's block mask skips the pairs across samples, eager is what the plan asked for)."""
+PACKED_PATHS = ("varlen", "flex", "sdpa_block", "sdpa_per_sample")
+# The model's attention while a packed stage trains, for each path.
+KERNELS = {"varlen": "flash_attention_2", "flex": "flex_attention", "sdpa_block": "sdpa",
+           "sdpa_per_sample": PER_SAMPLE_SDPA}
+# A model loaded with another kernel keeps it; the path that kernel takes.
+OWN_KERNEL_PATHS = {"flash_attention_2": "varlen", "flash_attention_3": "varlen", "flex_attention": "flex",
+                    "eager": "eager"}
+BINNED = {"flex", "sdpa_block", "eager"}  # paths that take one row per bin (BinnedBatches)
+
+
+def path_problem(path: str, device: str) -> str | None:
+    """Why packed attention ``path`` cannot run on ``device`` (``cpu``, ``cuda``) here, or None."""
+    import importlib.util
+
+    if path == "varlen":
+        if device != "cuda":
+            return "varlen flash attention needs a CUDA GPU"
+        if importlib.util.find_spec("flash_attn") is None:
+            return "varlen flash attention needs the flash-attn package, which is not installed"
+    if path == "flex":
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
+            return "flex attention needs torch >= 2.5"
+        if device == "cpu":  # torch 2.13: "FlexAttention does not support backward on CPU"
+            return "flex attention has no backward pass on a CPU, so it cannot train there"
+    return None
+
+
+def choose_path(option: str, model: Any, device: str) -> str:
+    """The path packed batches take on ``model``: the one its kernel takes when that is not SDPA (the plan
+    asked for it); else ``option``, or for ``auto`` the first of the device's defaults that runs here and
+    that the model supports."""
+    from ftcore_plugins.common.device_defaults import defaults
+
     kernel = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
-    return "per-sample sdpa" if kernel == "sdpa" else kernel
+    if kernel != "sdpa":
+        return OWN_KERNEL_PATHS.get(kernel, kernel)
+    if option != "auto":
+        return option
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    supports = {"varlen": getattr(base, "_supports_flash_attn", False),
+                "flex": getattr(base, "_supports_flex_attn", False)}
+    return next((p for p in defaults(device).packed_attention
+                 if supports.get(p, True) and path_problem(p, device) is None), "sdpa_per_sample")
+
+
+def packed_attention(model: Any) -> str:
+    """The path packed batches take on ``model`` on this machine with ``packed_attention = "auto"``."""
+    from ftcore_plugins.common.device_defaults import model_device
+
+    return choose_path("auto", model, model_device(model))
+
+
+@contextlib.contextmanager
+def attention_for(model: Any, path: str | None) -> Iterator[str | None]:
+    """While a packed stage trains on ``path``, the model's attention is that path's kernel; its own is
+    back afterwards (for evaluation, generation and what is saved). Yields ``path``."""
+    kernel = getattr(model.config, "_attn_implementation", None)
+    wanted = KERNELS.get(path or "", kernel)
+    if path is None or wanted == kernel:
+        yield path
+        return
+    if wanted == PER_SAMPLE_SDPA:
+        register()
+    model.set_attn_implementation(wanted)
+    try:
+        yield path
+    finally:
+        model.set_attn_implementation(kernel)
 
 
 @contextlib.contextmanager
 def per_sample_sdpa(model: Any, packed: bool) -> Iterator[str | None]:
-    """While training a ``packed`` stage on an SDPA ``model``, attend sample by sample; the model's
-    own kernel is back afterwards (for evaluation, generation and what is saved). Yields the
-    attention path packed batches take, or None without packing."""
+    """While training a ``packed`` stage on an SDPA ``model``, attend sample by sample on one row (the
+    preference trainers' ``padding_free``, whose forwards build that row themselves). Yields the path
+    packed batches take (``sdpa_per_sample``, or the model's own kernel's), or None without packing."""
     if not packed:
         yield None
         return
-    path = packed_attention(model)
-    if path != "per-sample sdpa":
+    kernel = getattr(model.config, "_attn_implementation", None) or "eager"
+    path = "sdpa_per_sample" if kernel == "sdpa" else OWN_KERNEL_PATHS.get(kernel, kernel)
+    with attention_for(model, path):
         yield path
-        return
-    register()
-    model.set_attn_implementation(PER_SAMPLE_SDPA)
-    try:
-        yield path
-    finally:
-        model.set_attn_implementation("sdpa")
+
+
+class BinnedBatches:
+    """The collator of the ``flex`` and ``sdpa_block`` paths: a batch of packed bins as one row each,
+    right-padded to the longest, position ids restarting at each sample (and at the padding, which is
+    a sequence of its own, never trained), no attention mask: from those, transformers builds the
+    packed-sequence mask once a forward pass. The first token of each sample is not predicted from the
+    previous sample (label -100), as in TRL's padding-free rows. ``REAL_TOKENS`` counts the positions
+    that are not padding (the stage's ``train_tokens``), computed here, on the host."""
+
+    REAL_TOKENS = "ftcore_real_tokens"
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(e["input_ids"]) for e in examples)
+        ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(examples), width), -100, dtype=torch.long)
+        positions = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, example in enumerate(examples):
+            length = len(example["input_ids"])
+            ids[row, :length] = torch.tensor(example["input_ids"])
+            labels[row, :length] = torch.tensor(example.get("labels", example["input_ids"]))
+            start = 0
+            for n in example.get("seq_lengths") or [length]:
+                positions[row, start:start + n] = torch.arange(n)
+                labels[row, start] = -100
+                start += n
+            positions[row, length:] = torch.arange(width - length)
+        return {"input_ids": ids, "labels": labels, "position_ids": positions,
+                self.REAL_TOKENS: sum(len(e["input_ids"]) for e in examples)}
+
+
+def with_packed_attention(trainer_cls: type, path: str) -> type:
+    """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` (packing on) whose batches take
+    ``path``: its collator makes one row per bin for the binned paths (TRL's own makes one row for the
+    others), and the model attends with the path's kernel while it trains."""
+    class PackedAttention(trainer_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if path in BINNED:
+                self.data_collator = BinnedBatches(self.data_collator.pad_token_id)
+
+        def train(self, *args, **kwargs):
+            with attention_for(self.model, path):
+                return super().train(*args, **kwargs)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            real = inputs.pop(BinnedBatches.REAL_TOKENS, None)
+            before = getattr(self, "_total_train_tokens", 0)
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if real is not None and model.training:
+                # The loss counted the bins' positions (TRL: one row's); the real tokens are the collator's count.
+                if self.accelerator.num_processes > 1:
+                    import torch
+
+                    real = int(self.accelerator.gather_for_metrics(
+                        torch.tensor([real], device=inputs["input_ids"].device)).sum().item())
+                self._total_train_tokens = before + real // self._tp_size
+                self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+            return out
+
+    PackedAttention.__name__ = PackedAttention.__qualname__ = f"{trainer_cls.__name__}Packed"
+    return PackedAttention

@@ -173,6 +173,9 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         logging_steps=o.logging_steps,
+        # The stability guard checks every step's loss (one host sync a step): the Trainer's own check
+        # would add one a micro-batch, on the zeros the guard hands it.
+        logging_nan_inf_filter=False,
         save_strategy="steps",
         save_steps=o.save_steps,
         save_total_limit=None,  # rotated by our checkpoint keeper, only after the new checkpoint is marked

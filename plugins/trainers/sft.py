@@ -18,9 +18,10 @@ from ftcore.errors import FtcoreError
 from ftcore_plugins.common.chat import chosen_as_chat
 from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.common.prepare import data_origin, is_stream
-from ftcore_plugins.trainers._loss import CHUNK_ELEMENTS, LossOptions, across_ranks, full_cross_entropy, \
+from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
-from ftcore_plugins.trainers._packing import per_sample_sdpa
+from ftcore_plugins.common.device_defaults import device_type, model_device
+from ftcore_plugins.trainers._packing import PACKED_PATHS, choose_path, path_problem, with_packed_attention
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 
 
@@ -30,6 +31,8 @@ class SFTOptions(TrainOptions, LossOptions):
     train_on_inputs: bool = False  # also train on system/user tokens
     truncation: Literal["truncate_response", "truncate_prompt", "drop"] = "truncate_response"
     packing: bool = False  # best-fit packing, position ids reset per sample (no cross-sample attention)
+    # the attention of packed batches; auto: the device's fastest that runs (docs/trainers.md)
+    packed_attention: Literal[("auto", *PACKED_PATHS)] = "auto"  # type: ignore[valid-type]
 
 
 class SFT(TrainChecks, TrainerMemory, Component):
@@ -46,10 +49,15 @@ class SFT(TrainChecks, TrainerMemory, Component):
     # micro-batches (divide by it, as gradient accumulation expects) or None. Returns a scalar tensor.
     # It is used for the training loss and the eval loss alike.
     compute_loss = None
-    loss_chunk_elements = CHUNK_ELEMENTS  # logits per chunk of the chunked loss (for ftcore estimate)
+    loss_chunk_elements: int | None = None  # logits per chunk of the chunked loss; None: the device's (device_defaults)
 
     def check(self, plan: Any) -> list[str]:
-        return [*super().check(plan), *loss_problems(self.options)]
+        o = self.options
+        problems = [*super().check(plan), *loss_problems(o)]
+        path = getattr(o, "packed_attention", "auto")
+        if path != "auto" and (problem := path_problem(path, device_type())):
+            problems.append(f"packed_attention: {problem}; use \"auto\" (the fastest path this machine runs)")
+        return problems
 
     def train(self, ctx: Any) -> dict[str, Any]:
         train, evaluation = self.prepare_data(ctx)
@@ -62,18 +70,18 @@ class SFT(TrainChecks, TrainerMemory, Component):
             ctx.reporter.log(ctx.stage, {"loss_kernel": kernel}, step=0)
             if kernel in ("chunked", "liger"):
                 trainer_cls = with_chunked_loss(trainer_cls, entropy=self.options.log_entropy,
-                                                liger=kernel == "liger")
+                                                liger=kernel == "liger", chunk=self.loss_chunk_elements)
             elif kernel == "full":
                 trainer_cls = with_loss(trainer_cls, full_cross_entropy, entropy=self.options.log_entropy)
         o = self.options
         # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
         config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
         # Packed batches of samples (not pretrain's wrapped blocks, which have no sample boundaries).
-        packed = bool(config.get("packing")) and config.get("packing_strategy") != "wrapped"
-        with per_sample_sdpa(ctx.model, packed=packed) as attention:
-            if attention:
-                ctx.reporter.log(ctx.stage, {"packed_attention": attention}, step=0)
-            return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)
+        if config.get("packing") and config.get("packing_strategy") != "wrapped":
+            path = choose_path(getattr(o, "packed_attention", "auto"), ctx.model, model_device(ctx.model))
+            ctx.reporter.log(ctx.stage, {"packed_attention": path}, step=0)
+            trainer_cls = with_packed_attention(trainer_cls, path)
+        return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:

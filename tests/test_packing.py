@@ -211,7 +211,7 @@ def test_binned_batches_label_each_samples_first_token_and_the_padding_out():
         {"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "seq_lengths": [2, 3]},
         {"input_ids": [3, 4], "labels": [-100, 4], "seq_lengths": [2]}])
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [3, 4, 0, 0, 0]]
-    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 0, 1, 2]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]  # the padding follows the last sample
     assert batch["labels"].tolist() == [[-100, 6, -100, 8, 9], [-100, 4, -100, -100, -100]]
     assert batch[BinnedBatches.REAL_TOKENS] == 7
 

@@ -236,8 +236,12 @@ def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False, chunk: i
         head = self.get_output_embeddings()
         targets = labels[:, 1:].to(head.weight.device)
         mask = targets != -100
-        # Only the trained positions are projected: prompts and padding cost no logits.
-        trained, wanted = hidden[:, :-1].to(head.weight.device)[mask], targets[mask]
+        # Only the trained positions are projected: prompts and padding cost no logits. Their indices are
+        # found once (a host sync: the count decides the shapes); indexing by them needs none, nor does
+        # its backward.
+        where = mask.flatten().nonzero().squeeze(1)
+        trained = hidden[:, :-1].to(head.weight.device).flatten(0, 1).index_select(0, where)
+        wanted = targets.flatten().index_select(0, where)
         if liger:
             out = fused(head.weight, trained, wanted, head.bias)
             nll, correct, entropy_sum = out.loss, (out.token_accuracy * wanted.numel()).round().long(), None

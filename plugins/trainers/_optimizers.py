@@ -36,15 +36,27 @@ GALORE_TARGETS = [r".*attn.*", r".*mlp.*"]
 
 
 def optimizer_name(name: str) -> str:
-    """transformers' name for ``name`` (an alias resolved); raises ValueError for an unknown one."""
+    """transformers' name for ``name`` (an alias resolved; ``auto`` kept, see :func:`resolved`); raises
+    ValueError for an unknown one."""
     name = ALIASES.get(name, name)
-    if name not in OPTIMIZERS:
-        raise ValueError(unknown_choice("optimizer", name, [*OPTIMIZERS, *ALIASES]))
+    if name != "auto" and name not in OPTIMIZERS:
+        raise ValueError(unknown_choice("optimizer", name, ["auto", *OPTIMIZERS, *ALIASES]))
     return name
+
+
+def resolved(name: str, device: str | None = None) -> str:
+    """``auto``: the optimizer of ``device`` (``cpu``, ``cuda``; this machine's when None) from
+    ``device_defaults``: AdamW, fused into one kernel on a GPU; any other name as it is."""
+    if name != "auto":
+        return name
+    from ftcore_plugins.common.device_defaults import defaults
+
+    return defaults(device).optimizer
 
 
 def optimizer_problem(name: str, *, adapter: str | None) -> str | None:
     """Why ``optimizer = name`` cannot run here (a missing package, GaLore on an adapter)."""
+    name = resolved(name)
     needs = OPTIMIZERS[name]
     if needs is not None and importlib.util.find_spec(needs[0]) is None:
         return f"optimizer: {name} needs the {needs[1]} package, which is not installed (pip install {needs[1]})"
@@ -54,8 +66,9 @@ def optimizer_problem(name: str, *, adapter: str | None) -> str | None:
     return None
 
 
-def optimizer_arguments(name: str) -> dict:
-    """TrainingArguments for ``optimizer = name``."""
+def optimizer_arguments(name: str, device: str | None = None) -> dict:
+    """TrainingArguments for ``optimizer = name`` on ``device`` (this machine's when None)."""
+    name = resolved(name, device)
     args: dict = {"optim": name}
     if name.startswith("galore_"):
         args["optim_target_modules"] = GALORE_TARGETS

@@ -204,8 +204,8 @@ def per_sample_sdpa(model: Any, packed: bool) -> Iterator[str | None]:
 
 class BinnedBatches:
     """The collator of the ``flex`` and ``sdpa_block`` paths: a batch of packed bins as one row each,
-    right-padded to the longest, position ids restarting at each sample (and at the padding, which is
-    a sequence of its own, never trained), no attention mask: from those, transformers builds the
+    right-padded to the longest (never trained), position ids restarting at each sample, no attention
+    mask: from those, transformers builds the
     packed-sequence mask once a forward pass. The first token of each sample is not predicted from the
     previous sample (label -100), as in TRL's padding-free rows. ``REAL_TOKENS`` counts the positions
     that are not padding (the stage's ``train_tokens``), computed here, on the host."""
@@ -226,12 +226,13 @@ class BinnedBatches:
             length = len(example["input_ids"])
             ids[row, :length] = torch.tensor(example["input_ids"])
             labels[row, :length] = torch.tensor(example.get("labels", example["input_ids"]))
-            start = 0
+            start, n = 0, 0
             for n in example.get("seq_lengths") or [length]:
                 positions[row, start:start + n] = torch.arange(n)
                 labels[row, start] = -100
                 start += n
-            positions[row, length:] = torch.arange(width - length)
+            # The padding continues the last sample: it sees that sample, which never sees it (causal).
+            positions[row, length:] = torch.arange(n, n + width - length)
         return {"input_ids": ids, "labels": labels, "position_ids": positions,
                 self.REAL_TOKENS: sum(len(e["input_ids"]) for e in examples)}
 

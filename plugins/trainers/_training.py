@@ -28,7 +28,8 @@ class TrainOptions(Options):
     warmup_ratio: float = Field(0.0, ge=0, lt=1)  # share of the steps spent warming up
     warmup_steps: int = Field(0, ge=0)  # or a number of steps
     weight_decay: float = Field(0.0, ge=0)
-    optimizer: str = "adamw_torch"  # a transformers optimizer name (adamw_8bit, adafactor, lion, galore_adamw, ...)
+    # a transformers optimizer name (adamw_8bit, adafactor, lion, galore_adamw, ...); auto: the device's AdamW
+    optimizer: str = "auto"
     max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
     compile: bool = False  # torch.compile the decoder blocks while training; off: on CPU it rarely pays (RESULTS.md)
@@ -167,7 +168,7 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         lr_scheduler_type=scheduler,
         warmup_steps=o.warmup_steps or o.warmup_ratio,  # a float below 1 is a ratio of the total steps
         weight_decay=o.weight_decay,
-        **optimizer_arguments(o.optimizer),
+        **optimizer_arguments(o.optimizer, "cuda" if torch.cuda.is_available() else "cpu"),
         max_grad_norm=o.max_grad_norm,
         activation_checkpointing=o.gradient_checkpointing,
         bf16=precision == "bf16",

@@ -1,51 +1,105 @@
 """Training throughput, peak memory and MFU of ftcore's ``sft`` against plain HF + TRL defaults,
-on models built from architecture configs (random init, nothing downloaded), side by side.
+on models built from architecture configs (random init, nothing downloaded), side by side; each
+arm's numbers written (JSON lines, and a line on stdout) as soon as the arm finishes.
 
-    python benchmarks/gpu_throughput.py [--runs 8b-lora-2048,...] [--steps 50] [--append-results]
-    python benchmarks/gpu_throughput.py --tiny      # CPU: a tiny config, a few steps (what the tests run)
+    python benchmarks/gpu_throughput.py --quick --jsonl $OUT/gpu.jsonl   # GPU: fits one 8-minute command
+    python benchmarks/gpu_throughput.py [--runs 8b-lora-2048,...] [--steps 50] [--options all] [--append-results]
+    python benchmarks/gpu_throughput.py --tiny            # CPU: a tiny config, a few steps (what the tests run)
+    python benchmarks/gpu_throughput.py --tiny --quick    # CPU: the quick preset's structure on tiny models
 
 Runs (GPU): LoRA and QLoRA (nf4) of Llama-3-8B at sequence lengths 2048 and 8192, and full
-fine-tuning of a Llama-3.2-1B-shaped model at 2048. Each run saves the random-init model once
-(bf16 on a GPU) with a tokenizer (Llama 3's from ../shared/fixtures when there, else a BPE trained
-here), and trains it twice in this process on the same synthetic rows (chat rows of repeated
-words, lengths log-normal with median max_length/4, capped at max_length: real lengths, not
-full-length rows):
+fine-tuning of a Llama-3.2-1B-shaped model at 2048 (the default set); LoRA and QLoRA of the 1B
+model at 2048 by name (``--runs``). Each architecture's random-init model is saved once (bf16 on a
+GPU) with a tokenizer (Llama 3's from ../shared/fixtures when there, else a BPE trained here) and
+kept until its last arm; every arm of a run trains it in this process on the same synthetic rows
+(chat rows of repeated words, lengths log-normal with median max_length/4, capped at max_length:
+real lengths, not full-length rows). The arms:
 
-* baseline: ``SFTTrainer(model, args=SFTConfig(...), peft_config=LoraConfig(...))`` with TRL's
-  defaults (bf16, gradient checkpointing) and only what must be equal set: batch size,
-  max_length, learning rate, steps, a log every step; it trains on the token ids ftcore prepared.
-* ftcore: ``ftcore run`` of a plan (``hf`` loader, ``lora`` adapter, ``nf4`` for QLoRA) with ftcore's
-  defaults plus the speed options it has: ``packing = true`` (best-fit, padding-free: one row of
-  concatenated samples, position ids restart per sample) and ``gradient_checkpointing = true``.
-* ftcore + OPTION (``--options``): the ftcore arm with one speed or memory option on top, each
-  its own arm (``OPTIONS`` below: attention kernels, Liger, NEFTune, compile, loss kernels,
-  optimizers, and packing off).
-  Those that need CUDA are listed as skipped on a machine without it, so the first run on a GPU
-  measures them all with one command: ``--options all``.
+* ``baseline``: ``SFTTrainer(model, args=SFTConfig(...), peft_config=LoraConfig(...))`` with TRL's
+  defaults (bf16, gradient checkpointing, padded batches) and only what must be equal set: batch
+  size, max_length, learning rate, steps, a log every step; it trains on the token ids ftcore prepared.
+* ``baseline-packed``: the same with ``packing=True`` (TRL's bfd packing, which turns on its
+  padding-free collator): the baseline that sees the same real tokens per step as ftcore's packing.
+* ``ftcore``: ``ftcore run`` of a plan (``hf`` loader, ``lora`` adapter, ``nf4`` for QLoRA) with
+  ftcore's defaults plus ``packing = true`` (best-fit, padding-free) and ``gradient_checkpointing = true``.
+* ``ftcore+OPTION`` (``--options``): the ftcore arm with one option on top (``OPTIONS`` below:
+  packed attention (flex, sdpa-block, per-sample, varlen), attention implementations, Liger,
+  NEFTune, compile, loss kernels, optimizers, and packing off: ``unpacked``). An arm that needs CUDA
+  (or a package that is not installed) is written as skipped, with the reason, so one command on a
+  GPU measures them all: ``--options all``.
+
+``--quick``: 1b-lora-2048, 1b-qlora-2048, 1b-full-2048 and 8b-qlora-2048, 11 steps per arm (8
+timed), the arms baseline, baseline-packed, ftcore, ftcore+liger, ftcore+flex (ftcore+varlen where
+flash_attn is installed) and ftcore+unpacked (8B QLoRA: the first three only), and a deadline of
+450 s. The work is ordered by importance: baseline and ftcore of every run first, then
+baseline-packed of every run, then the option arms (``--options`` replaces the quick option arms;
+``--runs`` its runs). ``--tiny --quick`` is the same structure on tiny models (a 2-layer one for the
+1B runs, a 4-layer one for the 8B run) on a CPU, where the CUDA arms are written as skipped.
+
+Deadline (``--deadline-s``, counted from the script's start): an arm, or a model build, is not
+started when its estimate would end past it; it is written as skipped with the estimate. Estimates
+come from this process's own timings: an arm, from the slowest arm measured so far in the same run,
+else in another run of the same architecture, else the slowest arm so far scaled by the ratio of the
+architectures' parameters; a build, from a build so far scaled the same way; with nothing measured
+yet, the work is started.
+
+JSON lines (``--jsonl``, default a new file in the temp folder; its path is printed first), each
+flushed when written, each with ``event`` and ``t`` (seconds since the start):
+
+* ``start``: device, machine, argv, steps, warm-up, deadline, the schedule ([run, arm] in order).
+* ``build``: an architecture's model built and saved (``seconds``), or its ``error``.
+* ``prepare``: a run's rows and token ids (``seconds``).
+* ``arm``: ``run``, ``arm``, and either the measurements (below) or ``skipped`` (the reason;
+  ``estimate_s`` and ``estimate_from`` for a deadline) or ``error`` (the exception, e.g. an OOM:
+  the script goes on to the next arm; CUDA memory is freed between arms).
+* ``pair``: as soon as an arm and the baseline arm that saw the same real tokens per step are both
+  measured: ``arm``, ``reference`` (``baseline-packed`` for packed arms, ``baseline`` for the
+  unpacked ones), ``x_memory`` (peak against the reference's), ``same_tokens_per_step`` (every
+  step's real tokens equal), ``tokens_per_step_ratio`` (mean real tokens per step against the
+  reference's), ``x_tokens_per_s`` (against ``baseline``), ``max_loss_diff`` (per step).
+* ``end``: ``seconds`` in all.
 
 Measured per arm: real (non-padding) tokens/s over the timed steps (a callback counts the tokens
 each forward saw), peak memory (``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS
 from ``ftcore.memory``), MFU = FLOPs/s / peak, with FLOPs per token 4*N + 2*N_trainable (LoRA,
 QLoRA) or 6*N (full), N = the parameters used in matmuls (all but the input embedding, the LM head
 counted once), attention FLOPs left out, peak = the GPU's dense bf16 peak (``--peak-tflops``; MFU
-is left out on CPU unless given). Loss: the mean of each arm's last 10 per-step losses, and the
-largest per-step difference (the arms' batches are the same only when ftcore does not pack).
+is "n/a" on CPU unless given, and the table says so); ``seconds`` (the whole arm: model load,
+preparation, training), ``train_seconds``, and for ftcore arms ``chosen``: the paths the stage chose
+for itself (``packed_attention``, ``loss_kernel``, as its metrics log them; shown beside the arm's
+name: on a GPU ftcore's defaults may already be an option arm's path). Packed bins padded to one row
+each (flex, sdpa_block) count their padding as positions, not real tokens.
+
+At the end, the table (stdout; ``--append-results`` appends it to benchmarks/RESULTS.md, the only
+file written in the repository): tokens/s against HF+TRL defaults (``baseline``, what a user would
+otherwise run); peak memory against the baseline arm with the same real tokens per step (named in
+the table, with whether the tokens were in fact equal); loss: the mean of the last 10 per-step
+losses, and the largest per-step difference from that same reference. Models, runs and the data
+cache live in a temporary folder, removed at exit.
 """
 
 from __future__ import annotations
 
-import argparse
-import atexit
-import datetime
-import gc
-import json
-import math
-import os
-import random
-import shutil
-import sys
-import tempfile
-from pathlib import Path
+import time
+
+START = time.monotonic()  # the deadline counts from here, imports included
+
+import argparse  # noqa: E402
+import atexit  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -60,6 +114,8 @@ ARCHITECTURES = {  # transformers LlamaConfig fields
                tie_word_embeddings=True),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=256, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=True),
+    "tiny4": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=512, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False),
 }
 # name: (architecture, method, max_length, batch size): about 16k positions per step on the GPU
 RUNS = {
@@ -68,12 +124,22 @@ RUNS = {
     "8b-qlora-2048": ("8b", "qlora", 2048, 8),
     "8b-qlora-8192": ("8b", "qlora", 8192, 2),
     "1b-full-2048": ("1b", "full", 2048, 8),
+    "1b-lora-2048": ("1b", "lora", 2048, 8),
+    "1b-qlora-2048": ("1b", "qlora", 2048, 8),
 }
+DEFAULT_RUNS = ["8b-lora-2048", "8b-lora-8192", "8b-qlora-2048", "8b-qlora-8192", "1b-full-2048"]
 TINY_RUNS = {"tiny-lora-128": ("tiny", "lora", 128, 4), "tiny-qlora-128": ("tiny", "qlora", 128, 4),
-             "tiny-full-128": ("tiny", "full", 128, 4)}
+             "tiny-full-128": ("tiny", "full", 128, 4), "tiny4-qlora-128": ("tiny4", "qlora", 128, 4)}
+DEFAULT_TINY_RUNS = ["tiny-lora-128", "tiny-qlora-128", "tiny-full-128"]
+# --quick: (run, the tiny run that stands for it with --tiny, whether its option arms are kept)
+QUICK = [("1b-lora-2048", "tiny-lora-128", True), ("1b-qlora-2048", "tiny-qlora-128", True),
+         ("1b-full-2048", "tiny-full-128", True), ("8b-qlora-2048", "tiny4-qlora-128", False)]
+QUICK_STEPS, QUICK_WARMUP, QUICK_DEADLINE_S = 11, 2, 450.0  # 8 timed steps (the last step is not timed)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)
 LEARNING_RATE = 2e-4
+BASELINES = ("baseline", "baseline-packed")
+TIER = {"baseline": 0, "ftcore": 0, "baseline-packed": 1}  # the rest (option arms): 2
 
 PLAN = """
 [run]
@@ -94,7 +160,7 @@ use = "chatml"
 
 [data.rows]
 use = "jsonl"
-path = "rows.jsonl"
+path = "{rows}"
 
 [[stage]]
 name = "sft"
@@ -111,25 +177,77 @@ packing = {packing}
 gradient_checkpointing = true
 {stage_extra}
 """
-# ftcore arms with one option on top of its defaults: name -> ([model] lines, [[stage]] lines, needs CUDA)
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """An ftcore arm with one option on top of its defaults."""
+
+    model: str = ""  # [model] lines
+    stage: str = ""  # [[stage]] lines
+    cuda: bool = False  # skipped without CUDA
+    package: str | None = None  # skipped when this module is not importable
+    packed: bool = True  # False: packing = false (its equal-token reference is then the padded baseline)
+
+
 OPTIONS = {
-    "sdpa": ('attn_implementation = "sdpa"', "", False),
-    "eager": ('attn_implementation = "eager"', "", False),
-    "flash-attention-2": ('attn_implementation = "flash_attention_2"', "", True),
-    "flash-attention-3": ('attn_implementation = "flash_attention_3"', "", True),
-    "flex-attention": ('attn_implementation = "flex_attention"', "", True),
-    "liger": ("", "liger = true", True),
-    "neftune": ("", "neftune_noise_alpha = 5.0", False),
-    "compile": ("", "compile = true", False),
-    "unpacked": ("", "", False),  # packing = false: what packing (per-sample attention, or varlen flash) buys
-    "loss-full": ("", 'loss_kernel = "full"', False),
-    "loss-trl": ("", 'loss_kernel = "trl"', False),
-    "adamw-fused": ("", 'optimizer = "adamw_torch_fused"', False),
-    "adamw-8bit": ("", 'optimizer = "adamw_8bit"', False),
-    "paged-adamw-8bit": ("", 'optimizer = "paged_adamw_8bit"', False),
-    "adafactor": ("", 'optimizer = "adafactor"', False),
-    "lion-8bit": ("", 'optimizer = "lion_8bit"', False),
+    "flex": Option(stage='packed_attention = "flex"', cuda=True),  # compiles slowly on a CPU
+    "sdpa-block": Option(stage='packed_attention = "sdpa_block"'),
+    "per-sample": Option(stage='packed_attention = "sdpa_per_sample"'),
+    "varlen": Option(stage='packed_attention = "varlen"', cuda=True, package="flash_attn"),
+    "sdpa": Option(model='attn_implementation = "sdpa"'),
+    "eager": Option(model='attn_implementation = "eager"'),
+    "flash-attention-2": Option(model='attn_implementation = "flash_attention_2"', cuda=True, package="flash_attn"),
+    "flash-attention-3": Option(model='attn_implementation = "flash_attention_3"', cuda=True),
+    "flex-attention": Option(model='attn_implementation = "flex_attention"', cuda=True),
+    "liger": Option(stage="liger = true", cuda=True, package="liger_kernel"),
+    "neftune": Option(stage="neftune_noise_alpha = 5.0"),
+    "compile": Option(stage="compile = true"),
+    "unpacked": Option(packed=False),  # what packing (per-sample attention, or varlen flash) buys
+    "loss-chunked": Option(stage='loss_kernel = "chunked"'),
+    "loss-full": Option(stage='loss_kernel = "full"'),
+    "loss-trl": Option(stage='loss_kernel = "trl"'),
+    "adamw-fused": Option(stage='optimizer = "adamw_torch_fused"'),
+    "adamw-8bit": Option(stage='optimizer = "adamw_8bit"'),
+    "paged-adamw-8bit": Option(stage='optimizer = "paged_adamw_8bit"'),
+    "adafactor": Option(stage='optimizer = "adafactor"'),
+    "lion-8bit": Option(stage='optimizer = "lion_8bit"'),
 }
+
+
+def option_of(arm: str) -> Option | None:
+    return OPTIONS[arm.removeprefix("ftcore+")] if arm.startswith("ftcore+") else None
+
+
+def packed(arm: str) -> bool:
+    if arm in BASELINES:
+        return arm == "baseline-packed"
+    option = option_of(arm)
+    return option.packed if option else True
+
+
+def reference(arm: str) -> str:
+    """The baseline arm that sees the same real tokens per step: the packed one for packed arms."""
+    return "baseline-packed" if packed(arm) else "baseline"
+
+
+def unavailable(arm: str, gpu: bool) -> str | None:
+    option = option_of(arm)
+    if option is None:
+        return None
+    if option.cuda and not gpu:
+        return "needs CUDA"
+    if option.package and importlib.util.find_spec(option.package) is None:
+        return f"needs the {option.package} package, which is not installed here"
+    return None
+
+
+def parameters(arch: str) -> int:
+    """The architecture's parameter count (for scaling time estimates between architectures)."""
+    c = ARCHITECTURES[arch]
+    h, kv = c["hidden_size"], c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
+    layer = h * (2 * h + 2 * kv) + 3 * h * c["intermediate_size"]
+    return c["num_hidden_layers"] * layer + c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2)
 
 
 def synthetic_rows(n: int, max_length: int, seed: int = 0) -> list[dict]:
@@ -148,7 +266,7 @@ def tokenizer_for(arch: str, rows: list[dict]):
     """Llama 3's real tokenizer for the real configs when the fixture is there; else a BPE trained on the rows."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    if arch != "tiny" and (SHARED / "tokenizers" / "llama3").exists():
+    if not arch.startswith("tiny") and (SHARED / "tokenizers" / "llama3").exists():
         tokenizer = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "llama3")
     else:
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -195,14 +313,17 @@ def matmul_params(model) -> int:
     return total
 
 
-def peak_memory_reset() -> None:
+def free_memory() -> None:
+    """The previous arm's model and optimizer gone, its cached CUDA blocks returned, the peaks reset."""
     import torch
 
     from ftcore import memory
 
-    memory.reset_peak()
+    gc.collect()
     if torch.cuda.is_available():
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    memory.reset_peak()
 
 
 def peak_memory_gib() -> float:
@@ -216,162 +337,458 @@ def peak_memory_gib() -> float:
 
 
 class ModelProbe(StepRecorder):
-    """StepRecorder that also keeps the trained model's parameter counts."""
+    """StepRecorder that also keeps the trained model's parameter counts, and does not count the
+    padding of packed bins (``packed_attention`` flex and sdpa_block: one row per bin, right-padded,
+    no attention mask) as real tokens."""
+
+    pad_token_id: int | None = None  # the tokenizer's, set before each arm
 
     def on_train_begin(self, args, state, control, model=None, **kw):
         super().on_train_begin(args, state, control, model=model, **kw)
         self.n_matmul = matmul_params(model)
         self.n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
+    def _count(self, module, args, kwargs):
+        super()._count(module, args, kwargs)
+        ids, labels = kwargs.get("input_ids"), kwargs.get("labels")
+        if (self.real and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None
+                and self.pad_token_id is not None and ids is not None and labels is not None and ids.dim() == 2):
+            self.real[-1] -= bin_padding(ids, labels, self.pad_token_id)
 
-def baseline_arm(work: Path, folder: Path, method: str, max_length: int, batch_size: int, steps: int, token_ids,
-                 dtype, tokenizer) -> None:
+
+def bin_padding(ids, labels, pad_token_id: int) -> int:
+    """The padding positions of a batch of right-padded packed bins without an attention mask: each
+    row's trailing run of pad tokens that are not trained. A real sample never ends so: its last token
+    (the turn's end, or a truncated response's last) is trained."""
+    untrained_pad = (ids == pad_token_id) & (labels == -100)
+    return int(untrained_pad.flip(1).long().cumprod(1).sum())
+
+
+@dataclasses.dataclass
+class Run:
+    name: str
+    arch: str
+    method: str
+    max_length: int
+    batch_size: int
+    arms: list[str]
+    work: Path
+    rows: Path | None = None
+    token_ids: Any = None
+    results: dict[str, dict] = dataclasses.field(default_factory=dict)
+
+
+def baseline_arm(run: Run, folder: Path, tokenizer, args, dtype, *, packing: bool) -> None:
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from trl import SFTConfig, SFTTrainer
 
     kwargs = {}
-    if method == "qlora":
+    if run.method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
         if torch.cuda.is_available():
             kwargs["device_map"] = {"": 0}  # 4-bit weights are placed at load; the Trainer cannot move them
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)  # the Trainer moves it to the GPU
-    args = SFTConfig(output_dir=str(work / "baseline"), max_steps=steps, per_device_train_batch_size=batch_size,
-                     max_length=max_length, learning_rate=LEARNING_RATE, logging_steps=1, save_strategy="no",
-                     report_to="none", seed=7,
-                     **({} if torch.cuda.is_available() else {"bf16": False}))  # TRL's default bf16 refuses a CPU
-    peft = None if method == "full" else LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", **LORA)
-    with quiet():
-        SFTTrainer(model=model, args=args, train_dataset=token_ids, processing_class=tokenizer,
+    name = "baseline-packed" if packing else "baseline"
+    cpu = {} if torch.cuda.is_available() else {"bf16": False}  # TRL's default bf16 refuses a CPU
+    with quiet():  # the model load's progress bar, the configs' deprecation warnings, the Trainer's prints
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)  # the Trainer moves it to the GPU
+        config = SFTConfig(output_dir=str(run.work / name), max_steps=args.steps,
+                           per_device_train_batch_size=run.batch_size, max_length=run.max_length,
+                           learning_rate=LEARNING_RATE, logging_steps=1, save_strategy="no", report_to="none",
+                           seed=7, **({"packing": True} if packing else {}), **cpu)
+        peft = None if run.method == "full" else LoraConfig(task_type="CAUSAL_LM", target_modules="all-linear", **LORA)
+        SFTTrainer(model=model, args=config, train_dataset=run.token_ids, processing_class=tokenizer,
                    peft_config=peft).train()
+
+
+def ftcore_arm(run: Run, arm: str, folder: Path, args, gpu: bool) -> dict[str, str]:
+    option = option_of(arm) or Option()
+    adapter = '"full"' if run.method == "full" else \
+        "{{ use = \"lora\", r = {r}, lora_alpha = {lora_alpha}, lora_dropout = {lora_dropout} }}".format(**LORA)
+    plan = run.work / f"{arm.replace('+', '-')}.toml"
+    plan.write_text(PLAN.format(name=arm.replace("+", "-"), model=folder, dtype="bfloat16" if gpu else "float32",
+                                model_extra=option.model, stage_extra=option.stage, rows=run.rows,
+                                packing="true" if option.packed else "false",
+                                quantizer='[quantizer]\nuse = "bnb-nf4"' if run.method == "qlora" else "",
+                                adapter=adapter, max_steps=args.steps, batch_size=run.batch_size,
+                                max_length=run.max_length, learning_rate=LEARNING_RATE))
+    return resolved(Path(run_ftcore(plan)["run_dir"]) / "metrics.jsonl")
+
+
+def resolved(metrics: Path) -> dict[str, str]:
+    """What the sft stage chose for itself, logged at step 0 (``loss_kernel``, ``packed_attention``)."""
+    chosen = {}
+    for line in metrics.read_text().splitlines() if metrics.exists() else []:
+        row = json.loads(line)
+        if row.get("stage") == "sft" and row.get("step") == 0:
+            chosen.update({k: v for k, v in row.items() if isinstance(v, str) and k != "stage"})
+    return chosen
 
 
 def measure(recorder: ModelProbe, warmup: int, method: str, peak_flops: float | None) -> dict:
     seconds = recorder.step_seconds(warmup)
+    if not seconds:
+        raise RuntimeError(f"{len(recorder.begins)} training steps recorded: none to time after {warmup} warm-up "
+                           "steps (the last step is not timed)")
     tokens = sum(recorder.real[warmup:warmup + len(seconds)])
     rate = tokens / sum(seconds)
     n, trainable = recorder.n_matmul, recorder.n_trainable
     flops_per_token = 6 * n if method == "full" else 4 * n + 2 * trainable
     losses = [recorder.losses[k] for k in sorted(recorder.losses)]
     return {"tokens_per_s": rate, "timed_tokens": tokens, "timed_steps": len(seconds),
-            "tokens_per_step": recorder.real, "positions_per_step": recorder.total,
+            "tokens_per_step": list(recorder.real), "positions_per_step": list(recorder.total),
             "peak_gib": peak_memory_gib(), "n_matmul": n, "n_trainable": trainable,
-            "mfu": rate * flops_per_token / peak_flops if peak_flops else None, "losses": losses}
+            "mfu": rate * flops_per_token / peak_flops if peak_flops else None, "losses": losses,
+            "train_seconds": (recorder.end or recorder.begins[-1]) - recorder.begins[0]}
 
 
-def run_one(name: str, spec: tuple, args, peak_flops: float | None) -> dict:
+def measured(result: dict | None) -> bool:
+    return bool(result) and "tokens_per_s" in result
+
+
+def compare(results: dict[str, dict], arm: str) -> dict | None:
+    """``arm`` against the baseline arm that saw the same real tokens per step, once both are measured."""
+    ref = reference(arm)
+    r, b, base = results.get(arm), results.get(ref), results.get("baseline")
+    if arm == ref or not (measured(r) and measured(b)):
+        return None
+    mean = sum(r["tokens_per_step"]) / len(r["tokens_per_step"])
+    mean_ref = sum(b["tokens_per_step"]) / len(b["tokens_per_step"])
+    return {"arm": arm, "reference": ref, "x_memory": r["peak_gib"] / b["peak_gib"],
+            "same_tokens_per_step": r["tokens_per_step"] == b["tokens_per_step"],
+            "tokens_per_step_ratio": mean / mean_ref,
+            "max_tokens_per_step": [max(r["tokens_per_step"]), max(b["tokens_per_step"])],
+            "x_tokens_per_s": r["tokens_per_s"] / base["tokens_per_s"] if measured(base) else None,
+            "max_loss_diff": max((abs(x - y) for x, y in zip(r["losses"], b["losses"])), default=None)}
+
+
+class Lines:
+    """The JSON lines file: a line per event, flushed (and synced) as it is written."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.fh = open(path, "w", encoding="utf-8")  # noqa: SIM115 (open for the whole run)
+
+    def write(self, event: str, **fields: Any) -> dict:
+        line = {"event": event, "t": round(time.monotonic() - START, 2), **fields}
+        self.fh.write(json.dumps(line) + "\n")
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        return line
+
+
+def say(text: str) -> None:
+    print(f"[{time.monotonic() - START:6.1f}s] {text}", flush=True)
+
+
+class Clock:
+    """The deadline, and estimates of what is left from this process's own timings."""
+
+    def __init__(self, deadline: float | None, runs: dict[str, Run]):
+        self.deadline, self.runs = deadline, runs
+        self.arms: list[tuple[str, float]] = []  # (run, seconds) of every measured arm
+        self.builds: list[tuple[str, float]] = []  # (arch, seconds)
+
+    @staticmethod
+    def elapsed() -> float:
+        return time.monotonic() - START
+
+    def estimate_arm(self, run: Run) -> tuple[float | None, str]:
+        same = [s for r, s in self.arms if r == run.name]
+        if same:
+            return max(same), f"the slowest arm of {run.name} so far"
+        arch = [s for r, s in self.arms if self.runs[r].arch == run.arch]
+        if arch:
+            return max(arch), f"the slowest {run.arch} arm so far"
+        return self._scaled([(self.runs[r].arch, s) for r, s in self.arms], run.arch, "arm")
+
+    def estimate_build(self, arch: str) -> tuple[float | None, str]:
+        return self._scaled(self.builds, arch, "model build")
+
+    @staticmethod
+    def _scaled(timings: list[tuple[str, float]], arch: str, what: str) -> tuple[float | None, str]:
+        if not timings:
+            return None, f"no {what} measured yet"
+        seconds, other = max((s * parameters(arch) / parameters(a), a) for a, s in timings)
+        return seconds, f"the slowest {what} so far ({other}) x {parameters(arch) / parameters(other):.2f} parameters"
+
+    def late(self, estimate: float | None) -> bool:
+        if self.deadline is None:
+            return False
+        return self.elapsed() + (estimate or 0.0) > self.deadline
+
+
+def bench(runs: dict[str, Run], schedule: list[tuple[str, str]], args, lines: Lines, peak_flops: float | None,
+          gpu: bool) -> None:
     import datasets
     import torch
 
     from ftcore_plugins.common.prepare import prepare
     from ftcore_plugins.templates.chatml import ChatMLTemplate
 
-    arch, method, max_length, batch_size = spec
-    work = Path(tempfile.mkdtemp(prefix=f"ftcore-gpu-{name}-"))
-    atexit.register(shutil.rmtree, work, ignore_errors=True)  # runs, models and cache are scratch
-    os.environ.setdefault("FTCORE_CACHE_DIR", str(work / "cache"))
-    gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if gpu else torch.float32
-    rows = synthetic_rows(args.rows or batch_size * (args.steps + 2) * 4, max_length)
-    (work / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tokenizer = tokenizer_for(arch, rows)
-    folder = work / "model"
-    save_random_model(folder, arch, tokenizer, dtype)
-    token_ids = prepare(datasets.Dataset.from_list(rows), tokenizer, ChatMLTemplate(), max_length=max_length).dataset
+    clock = Clock(args.deadline_s, runs)
+    models: dict[str, tuple[Path, Any]] = {}  # arch -> (saved model folder, tokenizer)
+    broken: dict[str, str] = {}  # arch -> why its model could not be built
+    left = {arch: sum(runs[r].arch == arch for r, _ in schedule) for arch in {runs[r].arch for r, _ in schedule}}
     recorder = ModelProbe().install()
-    results = {}
-    for arm in ("baseline", "ftcore", *args.options):
-        if arm in OPTIONS and OPTIONS[arm][2] and not gpu:
-            results[f"ftcore+{arm}"] = {"skipped": "needs CUDA"}
-            continue
-        gc.collect()  # the previous arm's model and optimizer are gone before the peak is reset
-        if gpu:
-            torch.cuda.empty_cache()
-        peak_memory_reset()
-        if arm == "baseline":
-            baseline_arm(work, folder, method, max_length, batch_size, args.steps, token_ids, dtype, tokenizer)
-        else:
-            adapter = '"full"' if method == "full" else \
-                "{{ use = \"lora\", r = {r}, lora_alpha = {lora_alpha}, lora_dropout = {lora_dropout} }}".format(**LORA)
-            model_extra, stage_extra, _ = OPTIONS.get(arm, ("", "", False))
-            plan = work / f"{arm}.toml"
-            plan.write_text(PLAN.format(name=arm, model=folder, dtype="bfloat16" if gpu else "float32",
-                                        model_extra=model_extra, stage_extra=stage_extra,
-                                        packing="false" if arm == "unpacked" else "true",
-                                        quantizer='[quantizer]\nuse = "bnb-nf4"' if method == "qlora" else "",
-                                        adapter=adapter, max_steps=args.steps, batch_size=batch_size,
-                                        max_length=max_length, learning_rate=LEARNING_RATE))
-            run_ftcore(plan)
-        results[arm if arm in ("baseline", "ftcore") else f"ftcore+{arm}"] = \
-            measure(recorder, args.warmup, method, peak_flops)
-    shutil.rmtree(work, ignore_errors=True)  # the saved model: 16 GB for 8B
-    return results
 
+    def skip(run: Run, arm: str, reason: str, **extra: Any) -> None:
+        run.results[arm] = {"skipped": reason, **extra}
+        lines.write("arm", run=run.name, arm=arm, skipped=reason, **extra)
+        say(f"{run.name} {arm}: skipped: {reason}")
 
-def table(results: dict[str, dict], peak_note: str) -> str:
-    lines = ["| run | arm | real tokens/s | x baseline | peak memory GiB | x baseline | MFU | "
-             "loss (mean of last 10) | max per-step loss diff |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, arms in results.items():
-        b = arms["baseline"]
-        for label, r in (("HF+TRL defaults", b), *((k, v) for k, v in arms.items() if k != "baseline")):
-            if "skipped" in r:
-                lines.append(f"| {name} | {label} | skipped: {r['skipped']} (unmeasured) | | | | | | |")
+    for name, arm in schedule:
+        run = runs[name]
+        try:
+            why = unavailable(arm, gpu)
+            if why:
+                skip(run, arm, why)
                 continue
-            diff = max((abs(x - y) for x, y in zip(b["losses"], r["losses"])), default=float("nan"))
+            if run.arch in broken:
+                skip(run, arm, f"the {run.arch} model could not be built: {broken[run.arch]}")
+                continue
+            build, build_from = (None, "") if run.arch in models else clock.estimate_build(run.arch)
+            estimate, estimate_from = clock.estimate_arm(run)
+            total = None if estimate is None and build is None else (estimate or 0.0) + (build or 0.0)
+            if clock.late(total):
+                source = estimate_from + (f"; the model build first: {build:.0f} s, {build_from}" if build else "")
+                skip(run, arm, f"deadline: {clock.elapsed():.0f} s gone, {total or 0:.0f} s estimated, "
+                     f"{args.deadline_s:g} s deadline", estimate_s=total, estimate_from=source)
+                continue
+            if run.arch not in models:
+                begin = time.monotonic()
+                rows = synthetic_rows(args.rows or run.batch_size * (args.steps + 2) * 4, run.max_length)
+                tokenizer = tokenizer_for(run.arch, rows)
+                folder = args.scratch / f"model-{run.arch}"
+                try:
+                    with quiet():
+                        save_random_model(folder, run.arch, tokenizer, dtype)
+                except Exception as exc:  # noqa: BLE001 (recorded; the other architectures go on)
+                    broken[run.arch] = error_text(exc)
+                    lines.write("build", arch=run.arch, error=broken[run.arch])
+                    skip(run, arm, f"the {run.arch} model could not be built: {broken[run.arch]}")
+                    continue
+                finally:
+                    free_memory()
+                seconds = time.monotonic() - begin
+                models[run.arch] = (folder, tokenizer)
+                clock.builds.append((run.arch, seconds))
+                lines.write("build", arch=run.arch, seconds=seconds, parameters=parameters(run.arch))
+                say(f"model {run.arch} built and saved in {seconds:.1f} s")
+            folder, tokenizer = models[run.arch]
+            if run.token_ids is None:
+                begin = time.monotonic()
+                rows = synthetic_rows(args.rows or run.batch_size * (args.steps + 2) * 4, run.max_length)
+                run.rows = run.work / "rows.jsonl"
+                run.rows.write_text("".join(json.dumps(r) + "\n" for r in rows))
+                run.token_ids = prepare(datasets.Dataset.from_list(rows), tokenizer, ChatMLTemplate(),
+                                        max_length=run.max_length).dataset
+                lines.write("prepare", run=run.name, rows=len(rows), seconds=time.monotonic() - begin)
+            free_memory()
+            recorder.reset()
+            recorder.pad_token_id = tokenizer.pad_token_id
+            begin = time.monotonic()
+            try:
+                chosen = {}
+                if arm in BASELINES:
+                    baseline_arm(run, folder, tokenizer, args, dtype, packing=arm == "baseline-packed")
+                else:
+                    chosen = ftcore_arm(run, arm, folder, args, gpu)
+                result = {**measure(recorder, args.warmup, run.method, peak_flops), "chosen": chosen}
+            except Exception as exc:  # noqa: BLE001 (an OOM or a failed arm is recorded; the next arm goes on)
+                run.results[arm] = {"error": error_text(exc), "seconds": time.monotonic() - begin,
+                                    "peak_gib": peak_memory_gib()}  # where an OOM left it
+                lines.write("arm", run=run.name, arm=arm, **run.results[arm])
+                say(f"{run.name} {arm}: failed after {time.monotonic() - begin:.1f} s: {run.results[arm]['error']}")
+                continue
+            finally:
+                free_memory()
+            result["seconds"] = time.monotonic() - begin
+            clock.arms.append((run.name, result["seconds"]))
+            run.results[arm] = result
+            lines.write("arm", run=run.name, arm=arm, arch=run.arch, method=run.method, max_length=run.max_length,
+                        batch_size=run.batch_size, memory_vs=reference(arm), **result)
+            say(arm_line(run, arm))
+            for other in run.arms:  # the equal-token comparisons this arm completes
+                if other == arm or reference(other) == arm:
+                    pair = compare(run.results, other)
+                    if pair:
+                        run.results[other]["equal_work"] = pair
+                        lines.write("pair", run=run.name, **pair)
+                        say(pair_line(run, pair))
+        except Exception as exc:  # noqa: BLE001 (preparing the run's data failed: this arm is lost, not the rest)
+            if arm not in run.results:
+                run.results[arm] = {"error": error_text(exc)}
+                lines.write("arm", run=run.name, arm=arm, **run.results[arm])
+                say(f"{run.name} {arm}: failed: {run.results[arm]['error']}")
+        finally:
+            left[run.arch] -= 1
+            if left[run.arch] == 0 and run.arch in models:
+                shutil.rmtree(models.pop(run.arch)[0], ignore_errors=True)  # 16 GB for 8B
+
+
+def error_text(exc: BaseException) -> str:
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return text if len(text) <= 600 else text[:600] + " ..."
+
+
+def arm_line(run: Run, arm: str) -> str:
+    r, base = run.results[arm], run.results.get("baseline")
+    speed = f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x HF+TRL defaults)" \
+        if measured(base) and arm != "baseline" else ""
+    mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+    return (f"{run.name} {label(arm, r)}: {r['tokens_per_s']:.0f} real tokens/s{speed}, peak {r['peak_gib']:.2f} GiB, "
+            f"MFU {mfu}, {r['seconds']:.1f} s ({r['train_seconds']:.1f} s training)")
+
+
+def label(arm: str, result: dict) -> str:
+    """The arm's name, with the paths ftcore chose for itself (``packed_attention``, ``loss_kernel``)."""
+    name = {"baseline": "HF+TRL defaults", "baseline-packed": "HF+TRL packing=True"}.get(arm, arm)
+    chosen = ", ".join(f"{k} {v}" for k, v in sorted(result.get("chosen", {}).items()))
+    return f"{name} ({chosen})" if chosen else name
+
+
+def pair_line(run: Run, pair: dict) -> str:
+    same = "yes" if pair["same_tokens_per_step"] else f"no (mean {pair['tokens_per_step_ratio']:.3f}x)"
+    return (f"{run.name} {pair['arm']} vs {pair['reference']} (same real tokens per step: {same}): "
+            f"peak memory {pair['x_memory']:.2f}x")
+
+
+def table(runs: dict[str, Run], peak_note: str) -> str:
+    lines = ["| run | arm | real tokens/s | x HF+TRL defaults | peak memory GiB | x memory | memory vs "
+             "(same real tokens) | same real tokens/step | MFU | loss (mean of last 10) | max per-step loss diff "
+             "(vs the same) | arm s |", "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    for run in runs.values():
+        base = run.results.get("baseline")
+        for arm in run.arms:
+            r = run.results.get(arm, {"skipped": "not reached"})
+            if not measured(r):
+                what = f"skipped: {r['skipped']}" if "skipped" in r else f"failed: {r.get('error', '?')}"
+                what = " ".join(what.replace("|", "/").split())
+                lines.append(f"| {run.name} | {label(arm, r)} | {what} (unmeasured) "
+                             "| | | | | | | | | |")
+                continue
+            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if measured(base) else "n/a"
+            pair, ref = r.get("equal_work"), reference(arm)
+            if arm == ref:
+                memory, same, diff = "1.00", "(itself)", ""
+            elif pair:
+                memory = f"{pair['x_memory']:.2f}"
+                same = "yes" if pair["same_tokens_per_step"] else f"no (mean {pair['tokens_per_step_ratio']:.3f}x)"
+                diff = f"{pair['max_loss_diff']:.4f}" if pair["max_loss_diff"] is not None else ""
+            else:
+                memory, same, diff = "n/a", f"{ref} unmeasured", ""
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
             last = r["losses"][-10:]
-            speed = r["tokens_per_s"] / b["tokens_per_s"]
-            lines.append(f"| {name} | {label} | {r['tokens_per_s']:.0f} | {speed:.2f} | "
-                         f"{r['peak_gib']:.2f} | {r['peak_gib'] / b['peak_gib']:.2f} | {mfu} | "
-                         f"{sum(last) / len(last):.4f} | {diff:.4f} |")
-    return "\n".join(lines) + f"\n\nMFU = tokens/s x (4N + 2N_trainable for LoRA/QLoRA, 6N for full) / {peak_note}"
+            loss = f"{sum(last) / len(last):.4f}" if last else ""
+            lines.append(f"| {run.name} | {label(arm, r)} | {r['tokens_per_s']:.0f} | {speed} | {r['peak_gib']:.2f} | "
+                         f"{memory} | {label(ref, {})} | {same} | {mfu} | {loss} | {diff} | "
+                         f"{r['seconds']:.1f} |")
+    return "\n".join(lines) + (
+        "\n\nx HF+TRL defaults: real tokens/s against the baseline arm (padded batches). x memory: peak memory "
+        "against the baseline arm that saw the same real tokens per step: packed arms against TRL's own "
+        "packing=True (bfd, padding-free), unpacked arms against the padded baseline; 'same real tokens/step' "
+        "says whether every step's real tokens were in fact equal (else the ratio of the means).\n"
+        f"MFU = tokens/s x (4N + 2N_trainable for LoRA/QLoRA, 6N for full) / {peak_note}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny config on CPU (or GPU), a few steps")
-    parser.add_argument("--runs", help="comma-separated run names (default: all of the mode)")
-    parser.add_argument("--steps", type=int, help="training steps per arm (default 50; tiny 8)")
-    parser.add_argument("--warmup", type=int, help="untimed steps at the start (default 5; tiny 2)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU (or GPU), a few steps")
+    parser.add_argument("--quick", action="store_true", help="the preset that fits one 8-minute command on one GPU "
+                        "(with --tiny: its structure on tiny models)")
+    parser.add_argument("--runs", help="comma-separated run names (default: those of the mode)")
+    parser.add_argument("--steps", type=int, help="training steps per arm (default 50; --quick 11; tiny 8)")
+    parser.add_argument("--warmup", type=int, help="untimed steps at the start (default 5; --quick and tiny 2)")
     parser.add_argument("--rows", type=int, help="synthetic rows (default: enough for the steps)")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device, for MFU")
-    parser.add_argument("--options", default="", help="comma-separated option arms after the ftcore arm, or "
-                        f"'all': {', '.join(OPTIONS)}")
-    parser.add_argument("--json", type=Path, help="also write the measurements here")
+    parser.add_argument("--options", help="comma-separated option arms after the ftcore arm, or 'all': "
+                        f"{', '.join(OPTIONS)} (--quick: liger, flex or varlen, unpacked)")
+    parser.add_argument("--deadline-s", type=float, help="start no arm or model build whose estimate would end "
+                        f"past this many seconds from the start (--quick: {QUICK_DEADLINE_S:g})")
+    parser.add_argument("--jsonl", type=Path, help="the JSON lines, written as each arm finishes "
+                        "(default: a new file in the temp folder)")
+    parser.add_argument("--json", type=Path, help="also write all measurements here at the end")
     parser.add_argument("--append-results", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = args.steps or QUICK_STEPS
+        args.warmup = args.warmup if args.warmup is not None else QUICK_WARMUP
+        if args.deadline_s is None:
+            args.deadline_s = QUICK_DEADLINE_S
     args.steps = args.steps or (8 if args.tiny else 50)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5)
-    args.options = list(OPTIONS) if args.options == "all" else [o for o in args.options.split(",") if o]
+    catalogue = TINY_RUNS if args.tiny else RUNS
+    attention = "varlen" if importlib.util.find_spec("flash_attn") is not None else "flex"
+    if args.options is None:
+        args.options = ["liger", attention, "unpacked"] if args.quick else []
+    else:
+        args.options = list(OPTIONS) if args.options == "all" else [o for o in args.options.split(",") if o]
     bad = [o for o in args.options if o not in OPTIONS]
     if bad:
         parser.error(f"unknown option arm(s) {', '.join(bad)}; there are {', '.join(OPTIONS)}")
-    catalogue = TINY_RUNS if args.tiny else RUNS
-    names = args.runs.split(",") if args.runs else list(catalogue)
-    unknown = [n for n in names if n not in catalogue]
-    if unknown:
-        parser.error(f"unknown run(s) {', '.join(unknown)}; this mode has {', '.join(catalogue)}")
+    if args.quick and not args.runs:
+        plan = [(tiny if args.tiny else name, keep) for name, tiny, keep in QUICK]
+    else:
+        names = args.runs.split(",") if args.runs else (DEFAULT_TINY_RUNS if args.tiny else DEFAULT_RUNS)
+        unknown = [n for n in names if n not in catalogue]
+        if unknown:
+            parser.error(f"unknown run(s) {', '.join(unknown)}; this mode has {', '.join(catalogue)}")
+        plan = [(name, True) for name in names]
 
     import torch
 
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
-    if not torch.cuda.is_available() and not args.peak_tflops:
-        peak = None
-    if not args.tiny and not torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if not args.tiny and not gpu:
         sys.exit("gpu_throughput: no CUDA device; the 8B/1B runs need one (use --tiny on CPU)")
-    results = {name: run_one(name, catalogue[name], args, peak * 1e12 if peak else None) for name in names}
-    peak_note = f"{peak:g} TFLOP/s (dense bf16 of {device})" if peak else "no peak given on CPU: MFU n/a"
-    out = table(results, peak_note)
-    header = f"device: {device}; machine: {machine()}; {args.steps} steps per arm, {args.warmup} untimed"
+    device = torch.cuda.get_device_name() if gpu else "CPU"
+    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device), None) if gpu else None)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    args.jsonl = args.jsonl or Path(tempfile.gettempdir()) / f"ftcore-gpu-throughput-{stamp}-{os.getpid()}.jsonl"
+    args.scratch = Path(tempfile.mkdtemp(prefix="ftcore-gpu-"))  # models, runs, cache: scratch
+    atexit.register(shutil.rmtree, args.scratch, ignore_errors=True)
+    os.environ.setdefault("FTCORE_CACHE_DIR", str(args.scratch / "cache"))
+    runs: dict[str, Run] = {}
+    for name, keep in plan:
+        arch, method, max_length, batch_size = catalogue[name]
+        arms = ["baseline", "baseline-packed", "ftcore", *(f"ftcore+{o}" for o in (args.options if keep else []))]
+        work = args.scratch / name
+        work.mkdir()
+        runs[name] = Run(name, arch, method, max_length, batch_size, arms, work)
+    order = {name: i for i, name in enumerate(runs)}
+    schedule = sorted(((name, arm) for name, run in runs.items() for arm in run.arms),
+                      key=lambda w: (TIER.get(w[1], 2), order[w[0]], runs[w[0]].arms.index(w[1])))
+    settings = (f"{args.steps} steps per arm, {args.warmup} untimed"
+                + (f"; deadline {args.deadline_s:g} s" if args.deadline_s is not None else ""))
+    lines = Lines(args.jsonl)
+    print(f"JSON lines: {args.jsonl}", flush=True)
+    say(f"device: {device}; {settings}")
+    lines.write("start", device=device, machine=machine(), argv=sys.argv[1:], steps=args.steps, warmup=args.warmup,
+                deadline_s=args.deadline_s, peak_tflops=peak, schedule=schedule)
+    # The libraries every arm uses, imported before the first arm: its time is then its own work.
+    import peft  # noqa: F401
+    import trl  # noqa: F401
+
+    from ftcore.plugins import get_plugin_manager
+
+    get_plugin_manager()
+    bench(runs, schedule, args, lines, peak * 1e12 if peak else None, gpu)
+    peak_note = (f"{peak:g} TFLOP/s (dense bf16 of {device})" if peak else
+                 "no peak: MFU n/a on CPU unless --peak-tflops is given")
+    out = table(runs, peak_note)
+    lines.write("end", seconds=time.monotonic() - START)
+    header = f"device: {device}; machine: {machine()}; {settings}"
+    print()
     print(header)
     print()
-    print(out)
+    print(out, flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results))
+        args.json.write_text(json.dumps({name: run.results for name, run in runs.items()}))
     if args.append_results:
         with (ROOT / "benchmarks" / "RESULTS.md").open("a", encoding="utf-8") as fh:
             fh.write(f"\n### gpu_throughput, {datetime.date.today()}\n\n{header}\n\n{out}\n")

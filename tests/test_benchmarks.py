@@ -7,6 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,16 +28,68 @@ def table_rows(out: str) -> list[list[str]]:
     return [r for r in rows if not set("".join(r)) <= set("-:") and r[0] not in ("run", "arm", "command")]
 
 
+def gpu_throughput():
+    """benchmarks/gpu_throughput.py as a module (its helpers, without running it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_throughput", ROOT / "benchmarks" / "gpu_throughput.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_throughput"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def json_lines(path) -> list[dict]:
+    """The complete lines of a JSON lines file (a line still being written is left out)."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
+
+
+def test_gpu_throughput_pairs_estimates_and_bin_padding():
+    import torch
+
+    gt = gpu_throughput()
+    # Memory is compared at equal work: packed arms against TRL's packing, unpacked ones against the padded baseline.
+    assert {gt.reference(a) for a in ("baseline-packed", "ftcore", "ftcore+flex", "ftcore+liger", "ftcore+varlen",
+                                      "ftcore+sdpa-block", "ftcore+per-sample")} == {"baseline-packed"}
+    assert gt.reference("baseline") == gt.reference("ftcore+unpacked") == "baseline"
+    # Estimates from this process's own timings: the run's slowest arm, else its architecture's, else scaled.
+    runs = {n: gt.Run(n, *gt.RUNS[n], arms=[], work=ROOT) for n in ("1b-lora-2048", "1b-full-2048", "8b-qlora-2048")}
+    clock = gt.Clock(None, runs)
+    assert clock.estimate_arm(runs["1b-lora-2048"])[0] is None and clock.estimate_build("8b")[0] is None
+    assert not clock.late(1e9)  # no deadline
+    clock.arms += [("1b-lora-2048", 10.0), ("1b-lora-2048", 14.0)]
+    clock.builds.append(("1b", 3.0))
+    ratio = gt.parameters("8b") / gt.parameters("1b")
+    assert gt.parameters("8b") == pytest.approx(8.03e9, rel=0.01)
+    assert gt.parameters("1b") == pytest.approx(1.24e9, rel=0.01)
+    assert clock.estimate_arm(runs["1b-lora-2048"])[0] == clock.estimate_arm(runs["1b-full-2048"])[0] == 14.0
+    assert clock.estimate_arm(runs["8b-qlora-2048"])[0] == pytest.approx(14.0 * ratio)
+    assert clock.estimate_build("8b")[0] == pytest.approx(3.0 * ratio)  # 19.5 s: the 8B save took 22 s on an H200
+    clock.deadline = clock.elapsed() + 20
+    assert not clock.late(14.0) and clock.late(30.0) and not clock.late(None)
+    clock.deadline = clock.elapsed() - 1
+    assert clock.late(None)  # past the deadline, nothing starts
+    # Packed bins without a mask (flex, sdpa_block): each row's trailing untrained pad tokens are not real
+    # tokens; a trained pad token (an end of text the loss learns) is, and so is a pad token before real ones.
+    ids = torch.tensor([[5, 6, 7, 8, 0, 0], [5, 0, 5, 6, 7, 8], [5, 6, 7, 0, 0, 0]])
+    labels = torch.tensor([[-100, 6, 7, 8, -100, -100], [-100, -100, -100, 6, 7, 8], [-100, 6, 7, 0, -100, -100]])
+    assert gt.bin_padding(ids, labels, pad_token_id=0) == 2 + 0 + 2
+    assert gt.bin_padding(ids, labels, pad_token_id=8) == 0
+
+
 @pytest.mark.slow
 def test_gpu_throughput_tiny_mode(tmp_path):
     steps, warmup = 5, 1
     out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", str(steps), "--warmup",
-                str(warmup), "--peak-tflops", "0.001", "--json", str(tmp_path / "r.json"))
+                str(warmup), "--peak-tflops", "0.001", "--json", str(tmp_path / "r.json"),
+                "--jsonl", str(tmp_path / "r.jsonl"))
     measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
     rows = table_rows(out)
-    assert [r[:2] for r in rows] == [["tiny-lora-128", "HF+TRL defaults"], ["tiny-lora-128", "ftcore"]]
-    base, ours = measured["baseline"], measured["ftcore"]
-    for row, arm in zip(rows, (base, ours)):
+    assert [r[0] for r in rows] == ["tiny-lora-128"] * 3
+    assert [r[1].split(" (")[0] for r in rows] == ["HF+TRL defaults", "HF+TRL packing=True", "ftcore"]
+    base, packed, ours = measured["baseline"], measured["baseline-packed"], measured["ftcore"]
+    for row, arm in zip(rows, (base, packed, ours)):
         timed = arm["tokens_per_step"][warmup:warmup + arm["timed_steps"]]
         assert arm["timed_steps"] == steps - warmup - 1  # the last step is not timed
         assert arm["timed_tokens"] == sum(timed) > 0
@@ -47,36 +100,169 @@ def test_gpu_throughput_tiny_mode(tmp_path):
         assert arm["n_trainable"] == 2 * 16 * (128 + 96 + 96 + 128 + 320 + 320 + 320)
         flops = 4 * arm["n_matmul"] + 2 * arm["n_trainable"]
         assert arm["mfu"] == pytest.approx(arm["tokens_per_s"] * flops / 1e9, rel=1e-9)
-        assert float(row[6].rstrip("%")) == pytest.approx(100 * arm["mfu"], abs=0.05)
+        assert float(row[8].rstrip("%")) == pytest.approx(100 * arm["mfu"], abs=0.05)
         assert len(arm["losses"]) == steps  # a loss per step, for the parity column
-    assert rows[0][3] == "1.00"
-    assert float(rows[1][3]) == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"], abs=0.005)
-    # ftcore packs padding-free: every position it computed is a real token; the baseline pads.
+        assert 0 < arm["train_seconds"] < arm["seconds"]
+    # Tokens/s against HF+TRL defaults; memory against the baseline that saw the same real tokens per step.
+    assert rows[0][3] == "1.00" and rows[0][5] == "1.00" and rows[0][6] == "HF+TRL defaults"
+    assert float(rows[2][3]) == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"], abs=0.005)
+    assert float(rows[2][5]) == pytest.approx(ours["peak_gib"] / packed["peak_gib"], abs=0.005)
+    assert rows[2][6] == "HF+TRL packing=True" and rows[2][7] == "yes"
+    # ftcore's packing and TRL's packing=True (bfd) put the same real tokens in every step, padding-free;
+    # the baseline pads.
+    assert ours["tokens_per_step"] == packed["tokens_per_step"]
     assert ours["tokens_per_step"] == ours["positions_per_step"]
+    assert packed["tokens_per_step"] == packed["positions_per_step"]
     assert sum(base["tokens_per_step"]) < sum(base["positions_per_step"])
+    # The JSON lines: the start, the build, the data, each arm as it finished (baseline and ftcore before
+    # baseline-packed), and the equal-work pair once both of its arms were measured.
+    lines = json_lines(tmp_path / "r.jsonl")
+    assert [line["event"] for line in lines] == ["start", "build", "prepare", "arm", "arm", "arm", "pair", "end"]
+    assert [line["arm"] for line in lines if line["event"] == "arm"] == ["baseline", "ftcore", "baseline-packed"]
+    assert lines[0]["schedule"] == [["tiny-lora-128", a] for a in ("baseline", "ftcore", "baseline-packed")]
+    for line in lines[3:6]:
+        assert {k: v for k, v in line.items() if k in measured[line["arm"]] and k != "equal_work"} == \
+            {k: v for k, v in measured[line["arm"]].items() if k != "equal_work"}
+        assert line["memory_vs"] == ("baseline" if line["arm"] == "baseline" else "baseline-packed")
+    pair = lines[6]
+    assert (pair["run"], pair["arm"], pair["reference"], pair["same_tokens_per_step"]) == \
+        ("tiny-lora-128", "ftcore", "baseline-packed", True)
+    assert pair["x_memory"] == pytest.approx(ours["peak_gib"] / packed["peak_gib"])
+    assert pair["x_tokens_per_s"] == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"])
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
 
 
 @pytest.mark.slow
 def test_gpu_throughput_option_arms_tiny_mode(tmp_path):
-    """Each speed option is an arm of its own; the CUDA-only ones are listed as skipped here, unmeasured."""
+    """Each option is an arm of its own; the CUDA-only ones are written as skipped here, a failing one as failed."""
     import torch
 
+    from ftcore_plugins.trainers.sft import SFTOptions
+
     out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", "3", "--warmup", "1",
-                "--options", "neftune,adamw-8bit,loss-full,unpacked,liger,flash-attention-2", "--json", str(tmp_path / "r.json"))
+                "--options", "neftune,adamw-8bit,loss-full,unpacked,sdpa-block,liger,flash-attention-2,varlen",
+                "--json", str(tmp_path / "r.json"), "--jsonl", str(tmp_path / "r.jsonl"))
     measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
-    labels = [r[1] for r in table_rows(out)]
-    assert labels == ["HF+TRL defaults", "ftcore", "ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full",
-                      "ftcore+unpacked", "ftcore+liger", "ftcore+flash-attention-2"]
+    labels = [r[1].split(" (")[0] for r in table_rows(out)]
+    assert labels == ["HF+TRL defaults", "HF+TRL packing=True", "ftcore", "ftcore+neftune", "ftcore+adamw-8bit",
+                      "ftcore+loss-full", "ftcore+unpacked", "ftcore+sdpa-block", "ftcore+liger",
+                      "ftcore+flash-attention-2", "ftcore+varlen"]
     for arm in ("ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full", "ftcore+unpacked"):
         assert measured[arm]["timed_tokens"] > 0 and len(measured[arm]["losses"]) == 3
+    assert measured["ftcore+loss-full"]["chosen"]["loss_kernel"] == "full"
     # The same batches and weights: the loss kernels agree; NEFTune's noise changes the first step's loss.
     assert measured["ftcore+loss-full"]["losses"] == pytest.approx(measured["ftcore"]["losses"], abs=1e-5)
     assert measured["ftcore+neftune"]["losses"][0] != pytest.approx(measured["ftcore"]["losses"][0], abs=1e-6)
-    # Packing off: the same rows one per batch row, so fewer real tokens per step than packed bins.
-    assert measured["ftcore+unpacked"]["timed_tokens"] < measured["ftcore"]["timed_tokens"]
+    # Packing off: the same rows one per batch row, so fewer real tokens per step than packed bins; its
+    # memory is compared with the padded baseline, which saw the same batches.
+    unpacked = measured["ftcore+unpacked"]
+    assert unpacked["timed_tokens"] < measured["ftcore"]["timed_tokens"]
+    assert unpacked["equal_work"]["reference"] == "baseline" and unpacked["equal_work"]["same_tokens_per_step"]
+    assert unpacked["tokens_per_step"] == measured["baseline"]["tokens_per_step"]
+    assert measured["ftcore+neftune"]["equal_work"]["reference"] == "baseline-packed"
+    block = measured["ftcore+sdpa-block"]
+    if "packed_attention" in SFTOptions.model_fields:
+        # One right-padded row per bin: the padding is not counted, so the real tokens are TRL packing's.
+        assert block["chosen"]["packed_attention"] == "sdpa_block"
+        assert block["tokens_per_step"] == measured["baseline-packed"]["tokens_per_step"]
+        assert block["equal_work"]["same_tokens_per_step"]
+        assert block["losses"] == pytest.approx(measured["ftcore"]["losses"], abs=1e-4)
+    else:  # the option does not exist yet: the arm is written as failed and the others go on
+        assert "packed_attention" in block["error"]
     if not torch.cuda.is_available():
-        assert measured["ftcore+liger"] == measured["ftcore+flash-attention-2"] == {"skipped": "needs CUDA"}
+        assert measured["ftcore+liger"] == measured["ftcore+flash-attention-2"] == measured["ftcore+varlen"] == \
+            {"skipped": "needs CUDA"}
         assert "skipped: needs CUDA (unmeasured)" in out
+    arms = [line for line in json_lines(tmp_path / "r.jsonl") if line["event"] == "arm"]
+    assert len(arms) == len(labels) and {line["arm"] for line in arms} == set(measured)
+
+
+@pytest.mark.slow
+def test_gpu_throughput_quick_rehearsal_writes_each_arm_as_it_finishes(tmp_path):
+    """``--tiny --quick``: the GPU preset's runs, arms and order on tiny models; each arm's line is in the
+    file as soon as the arm has finished, while the next ones still run."""
+    import importlib.util
+
+    path = tmp_path / "q.jsonl"
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--quick",
+                                 "--steps", "3", "--warmup", "1", "--jsonl", str(path)], stdout=out, stderr=err,
+                                text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        try:
+            give_up = time.monotonic() + 600
+            while not any("tokens_per_s" in line for line in json_lines(path)):
+                assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+                assert time.monotonic() < give_up
+                time.sleep(0.1)
+            first = json_lines(path)
+            assert proc.poll() is None  # the first arm's numbers are written, the other arms still to run
+            proc.wait(timeout=1200)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, (tmp_path / "err").read_text()[-3000:]
+    lines = json_lines(path)
+    assert lines[:len(first)] == first and [line["event"] for line in first][-1] == "arm"
+    start, arms = lines[0], [line for line in lines if line["event"] == "arm"]
+    attention = "varlen" if importlib.util.find_spec("flash_attn") else "flex"
+    options = ["ftcore+liger", f"ftcore+{attention}", "ftcore+unpacked"]
+    runs = {"tiny-lora-128": options, "tiny-qlora-128": options, "tiny-full-128": options, "tiny4-qlora-128": []}
+    # The most important first: baseline and ftcore of every run, then TRL's packing, then the option arms.
+    expected = [[r, a] for r in runs for a in ("baseline", "ftcore")] + [[r, "baseline-packed"] for r in runs] + \
+        [[r, a] for r, arms_ in runs.items() for a in arms_]
+    assert start["schedule"] == expected and start["deadline_s"] == 450 and start["steps"] == 3
+    assert [[line["run"], line["arm"]] for line in arms] == expected  # one line per arm, in that order
+    assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
+    builds = [line for line in lines if line["event"] == "build"]
+    assert [b["arch"] for b in builds] == ["tiny", "tiny4"] and all(b["seconds"] > 0 for b in builds)
+    for line in arms:
+        if line["arm"] in ("ftcore+liger", "ftcore+flex", "ftcore+varlen"):
+            assert line["skipped"].startswith("needs")  # CUDA (or flash_attn)
+            continue
+        assert line["tokens_per_s"] > 0 and line["peak_gib"] > 0 and line["mfu"] is None  # no peak given on CPU
+        assert line["seconds"] > line["train_seconds"] > 0 and line["timed_steps"] == 1
+        padded = line["arm"] in ("baseline", "ftcore+unpacked")
+        assert line["memory_vs"] == ("baseline" if padded else "baseline-packed")
+    # The equal-work pairs: ftcore against TRL's packing in every run, unpacked against the padded baseline.
+    pairs = {(p["run"], p["arm"]): p for p in lines if p["event"] == "pair"}
+    assert set(pairs) == {(r, "ftcore") for r in runs} | {(r, "ftcore+unpacked") for r in runs if runs[r]}
+    for (run, arm), pair in pairs.items():
+        assert pair["reference"] == ("baseline" if arm == "ftcore+unpacked" else "baseline-packed")
+        assert pair["same_tokens_per_step"] is True and pair["tokens_per_step_ratio"] == 1.0
+        assert pair["x_memory"] > 0 and pair["x_tokens_per_s"] > 0
+    assert lines[-1]["event"] == "end"
+    text = (tmp_path / "out").read_text()
+    assert len(table_rows(text)) == len(expected)
+    assert "MFU n/a on CPU unless --peak-tflops is given" in text
+
+
+@pytest.mark.slow
+def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
+    """Past the deadline no arm starts (each written as skipped, with why); a killed run keeps the lines it wrote."""
+    out = bench("gpu_throughput.py", "--tiny", "--quick", "--deadline-s", "1", "--jsonl", str(tmp_path / "d.jsonl"))
+    lines = json_lines(tmp_path / "d.jsonl")
+    arms = [line for line in lines if line["event"] == "arm"]
+    assert len(arms) == len(lines[0]["schedule"]) == 21 and not any(line["event"] == "build" for line in lines)
+    for line in arms:
+        cuda = line["arm"] in ("ftcore+liger", "ftcore+flex", "ftcore+varlen")
+        assert line["skipped"].startswith("needs" if cuda else "deadline: "), line
+    assert all("(unmeasured)" in row[2] for row in table_rows(out))
+
+    path = tmp_path / "k.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--runs",
+                             "tiny-lora-128", "--steps", "3", "--warmup", "1", "--jsonl", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        give_up = time.monotonic() + 600
+        while not any("tokens_per_s" in line for line in json_lines(path)) and time.monotonic() < give_up:
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait()
+    text = path.read_text()
+    assert text.endswith("\n")
+    lines = [json.loads(line) for line in text.splitlines()]  # every line whole
+    assert [line["event"] for line in lines][:4] == ["start", "build", "prepare", "arm"]
+    assert lines[3]["arm"] == "baseline" and lines[3]["tokens_per_s"] > 0 and lines[-1]["event"] != "end"
 
 
 @pytest.mark.slow

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import json
 import math
 import os
@@ -90,11 +89,12 @@ def arm(work: Path, data: Path, name: str, kind: str, args, recorder: StepRecord
     if kind == "packed-mask":  # what a packed stage ran before per-sample attention, and what TRL runs
         import ftcore_plugins.trainers.sft as sft
 
-        default, sft.per_sample_sdpa = sft.per_sample_sdpa, lambda model, packed: contextlib.nullcontext("sdpa")
+        # a path that keeps SDPA on TRL's one row: transformers' packed-sequence mask over the whole row
+        default, sft.choose_path = sft.choose_path, lambda option, model, device: "sdpa"
         try:
             run_ftcore(plan)
         finally:
-            sft.per_sample_sdpa = default
+            sft.choose_path = default
     else:
         run_ftcore(plan)
     seconds = recorder.step_seconds(args.warmup)

@@ -203,12 +203,12 @@ def per_sample_sdpa(model: Any, packed: bool) -> Iterator[str | None]:
 
 
 class BinnedBatches:
-    """The collator of the ``flex`` and ``sdpa_block`` paths: a batch of packed bins as one row each,
-    right-padded to the longest (never trained), position ids restarting at each sample, no attention
-    mask: from those, transformers builds the
-    packed-sequence mask once a forward pass. The first token of each sample is not predicted from the
-    previous sample (label -100), as in TRL's padding-free rows. ``REAL_TOKENS`` counts the positions
-    that are not padding (the stage's ``train_tokens``), computed here, on the host."""
+    """The collator of the binned paths (``flex``, ``sdpa_block``, eager): a batch of packed bins as one
+    row each, right-padded to the longest (never trained), position ids restarting at each sample, no
+    attention mask: from those, transformers builds the packed-sequence mask once a forward pass. The
+    first token of each sample is not predicted from the previous sample (label -100), as in TRL's
+    padding-free rows. ``REAL_TOKENS`` counts the positions that are not padding (the stage's
+    ``train_tokens``), on the host."""
 
     REAL_TOKENS = "ftcore_real_tokens"
 

@@ -348,10 +348,134 @@ def test_7b_qlora_is_about_6_to_8_gb(seven_b):
     s = out["stages"][0]
     assert s["gradient_checkpointing"] is True  # the bnb quantizers turn it on
     assert "weight_bytes" in s["sources"]["weights"]
-    # 4-bit linear layers with double-quantized constants, fp32 embeddings and head (prepare upcasts them)
-    assert 3.9 <= s["bytes"]["weights"] / GiB <= 4.4
+    # 4-bit linear layers with double-quantized constants, fp16 embeddings and head (on CUDA prepare
+    # leaves them in the model's dtype: fp32_non_quantized's default there), fp32 LoRA
+    assert 3.5 <= s["bytes"]["weights"] / GiB <= 3.8
     assert 0.85 * 6 <= s["bytes"]["total"] / GB <= 8
     assert code == 0 and s["fits"] is True and out["fits"] is True
+
+
+# -- QLoRA: what stays in fp32, per device ---------------------------------------------------------
+# Llama-3-8B's shapes with 2 of its 32 layers (fast on the meta device)
+LLAMA3_8B_2L = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+                "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 2,
+                "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+                "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16"}
+
+
+def test_qlora_weights_count_the_fp32_copies_the_device_keeps(tmp_path):
+    """CPU keeps norms, embeddings and head in fp32 (peft's upcast), CUDA in the model's bf16, unless the
+    plan says: the weights differ by exactly those weights' two extra bytes each, whatever the machine."""
+    from ftcore.plan import load_plan
+    from ftcore.plugins import get_plugin_manager
+    from ftcore_plugins.commands.estimate import estimate_plan
+
+    (tmp_path / "llama3-8b").mkdir()
+    (tmp_path / "llama3-8b" / "config.json").write_text(json.dumps(LLAMA3_8B_2L))
+    (tmp_path / "rows.jsonl").write_text("")
+    registry = get_plugin_manager(entry_points=False).registry()
+
+    def weights(device, option=""):
+        path = tmp_path / "plan.toml"
+        path.write_text(f'[model]\nuse = "hf"\npath = "llama3-8b"\n\n[quantizer]\nuse = "bnb-nf4"\n{option}\n\n'
+                        '[adapter]\nuse = "lora"\nr = 16\n\n[data.rows]\nuse = "jsonl"\npath = "rows.jsonl"\n\n'
+                        '[[stage]]\ntrainer = "sft"\ndata = "rows"\nbatch_size = 1\nmax_length = 2048\n')
+        return estimate_plan(load_plan(path, registry), device=device).stages[0].weights
+
+    h, vocab, layers = (LLAMA3_8B_2L[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+    non_quantized = 2 * vocab * h + (2 * layers + 1) * h  # embeddings, untied head, two norms a layer and the last
+    cpu, cuda = weights("cpu"), weights("cuda")
+    assert cpu - cuda == non_quantized * (4 - 2)
+    assert weights("cuda", "fp32_non_quantized = true") == cpu
+    assert weights("cpu", "fp32_non_quantized = false") == cuda
+
+
+@pytest.fixture(scope="module")
+def small_bf16_llama(tmp_path_factory):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                                  num_key_value_heads=2, intermediate_size=896, tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("bf16-llama")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    return folder, config
+
+
+@pytest.mark.parametrize("fp32, precision, device", [
+    (False, "bf16", "cuda"),  # the CUDA default: bf16 norms, embeddings and head
+    (True, "bf16", "cuda"),  # fp32_non_quantized = true on CUDA: an fp32 residual stream
+    (False, "fp32", "cpu"),  # a bf16 base on CPU without the upcast
+    (False, "bf16", "cpu"),
+    (True, "fp32", "cpu"),  # the CPU default (the formula of the other bases)
+])
+def test_a_4bit_layer_saves_what_the_estimate_counts(small_bf16_llama, fp32, precision, device):
+    """Bytes one decoder layer of a 4-bit Llama with LoRA on every linear layer keeps for backward per
+    token, counted with saved-tensor hooks (unique storages), against the estimate's count. CUDA's path
+    runs on the CPU with CPU autocast and peft's test of CUDA's autocast answered yes."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ftcore_plugins.common.estimate import bnb_prepare_meta, layer_activation_bytes, meta_model_from_config
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
+
+    folder, config = small_bf16_llama
+
+    def lora(model):
+        return get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=16, lora_alpha=32, target_modules="all-linear"))
+
+    q = NF4Quantizer(NF4Quantizer.Options(fp32_non_quantized=fp32, gradient_checkpointing=False,
+                                          bnb_4bit_compute_dtype="bfloat16"))
+    model = lora(q.prepare(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **q.load_kwargs())))
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    decoder = model.get_base_model().model
+
+    def saved(tokens):
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randn(1, tokens, config.hidden_size, dtype=decoder.embed_tokens.weight.dtype, requires_grad=True)
+        positions = torch.arange(tokens)[None]
+        rotary = decoder.rotary_emb(x, positions)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            decoder.layers[0](x, position_embeddings=rotary, position_ids=positions)
+        return sum(storages.values()) - sum(t.untyped_storage().nbytes() for t in rotary)  # shared by the layers
+
+    autocast_enabled = torch.is_autocast_enabled
+    if device == "cuda":  # peft's bnb layers ask torch.is_autocast_enabled(), which is CUDA's
+        torch.is_autocast_enabled = lambda *a: True if not a else autocast_enabled(*a)
+    try:
+        measured = (saved(256) - saved(128)) / 128
+    finally:
+        torch.is_autocast_enabled = autocast_enabled
+
+    meta = lora(bnb_prepare_meta(NF4Quantizer(NF4Quantizer.Options(fp32_non_quantized=fp32)),
+                                 meta_model_from_config(config, torch.bfloat16), device=device))
+    counted = layer_activation_bytes(config, meta, device=device, precision=precision)
+    assert counted == pytest.approx(measured, rel=0.01), (counted, measured)
+
+
+def test_the_chunked_loss_is_counted_at_the_devices_chunk():
+    from ftcore_plugins.common.device_defaults import defaults
+    from ftcore_plugins.common.estimate import _loss_kernel, loss_chunk_elements
+    from ftcore_plugins.trainers.sft import SFT
+
+    sft = SFT()
+    for device in ("cpu", "cuda"):
+        assert loss_chunk_elements(sft, device) == defaults(device).loss_chunk_elements
+    assert loss_chunk_elements(type("Own", (SFT,), {"loss_chunk_elements": 1 << 20})(), "cuda") == 1 << 20
+    assert defaults("cuda").loss_chunk_elements != defaults("cpu").loss_chunk_elements
+    assert _loss_kernel(sft, "cpu") == "chunked"
 
 
 # -- estimate vs measured -------------------------------------------------------------------------

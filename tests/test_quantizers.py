@@ -86,6 +86,11 @@ class InspectExporter(Component):
         SEEN["trainable"] = {n: p.dtype for n, p in model.named_parameters() if p.requires_grad}
         SEEN["lora"] = {n: (p.dtype, p.requires_grad) for n, p in model.named_parameters() if "lora_" in n}
         SEEN["use_cache"] = base.config.use_cache
+        SEEN["non_quantized"] = non_quantized(model)
+        SEEN["moved_rows"] = sum(
+            not torch.equal(m.trainable_tokens_delta["default"].to(m.base_layer.weight.dtype),
+                            m.base_layer.weight[m.token_indices["default"]])
+            for m in base.modules() if type(m).__name__ == "TrainableTokensLayer")
         SEEN["checkpointing"] = base.is_activation_checkpointing
         layer = base.model.layers[0]
         SEEN["checkpoint_kwargs"] = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", None)
@@ -94,6 +99,11 @@ class InspectExporter(Component):
             SEEN["logits"] = model(input_ids=torch.tensor(PROBE)).logits.float().clone()
         ctx.path.mkdir(parents=True)
         return ctx.path
+
+
+def _unwrap(module):
+    """The embedding or head under peft's trainable-tokens wrapper."""
+    return getattr(getattr(module, "token_adapter", None), "base_layer", module)
 
 
 def weight_facts(layer) -> dict:
@@ -316,6 +326,90 @@ def test_gradients_reach_every_adapter_even_after_an_evaluation(tiny_llama, name
     for n in fresh:
         assert evaluated[n] is not None and torch.allclose(evaluated[n], fresh[n], atol=1e-6), n
         assert (fresh[n] - full[n]).norm() <= 0.25 * full[n].norm(), n  # quantization error only
+
+
+# -- fp32_non_quantized: what stays in fp32 ---------------------------------------------------------
+def non_quantized(model) -> dict:
+    """The dtypes of a model's non-quantized weights: norms, input embeddings, LM head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norms = {p.dtype for n, p in base.named_parameters() if "norm" in n}
+    return {"norms": norms, "embeddings": _unwrap(base.get_input_embeddings()).weight.dtype,
+            "head": _unwrap(base.get_output_embeddings()).weight.dtype}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp32", [False, True])
+def test_fp32_non_quantized_decides_the_dtype_of_norms_embeddings_and_head(tiny_llama, fp32):
+    """A bf16 model loaded in 4 bits: with fp32_non_quantized = false its norms, embeddings and head stay
+    bf16 (as TRL leaves them), with true they are upcast to fp32 (peft's prepare_model_for_kbit_training);
+    either way the LoRA weights train in fp32, and the loss falls."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
+
+    quantizer = NF4Quantizer(NF4Quantizer.Options(fp32_non_quantized=fp32))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16, **quantizer.load_kwargs())
+    assert non_quantized(model) == {"norms": {torch.bfloat16}, "embeddings": torch.bfloat16, "head": torch.bfloat16}
+    model = quantizer.prepare(model)
+    want = torch.float32 if fp32 else torch.bfloat16
+    assert non_quantized(model) == {"norms": {want}, "embeddings": want, "head": want}
+    assert not any(p.requires_grad for p in model.parameters())
+    assert model.is_activation_checkpointing and model.config.use_cache is False
+
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=8, target_modules="all-linear"))
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in lora:  # as TRL's trainers do to a quantized model's trainable weights
+        p.data = p.data.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(lora, lr=1e-2)
+    probe = torch.tensor(PROBE * 4)
+    model.train()
+    losses = []
+    for _ in range(6):
+        loss = model(input_ids=probe, labels=probe).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    # keep_trainable_fp32 brought the adapter back to fp32 before the first step; the base kept its dtypes
+    assert {p.dtype for p in lora} == {torch.float32} and all(p.requires_grad for p in lora)
+    assert non_quantized(model) == {"norms": {want}, "embeddings": want, "head": want}
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_fp32_non_quantized_defaults_to_the_devices():
+    from ftcore_plugins.common.device_defaults import defaults
+    from ftcore_plugins.quantizers.bnb_int8 import Int8Quantizer
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
+
+    assert NF4Quantizer().keeps_fp32("cpu") is True and NF4Quantizer().keeps_fp32("cuda") is False
+    assert defaults("cpu").fp32_non_quantized and not defaults("cuda").fp32_non_quantized
+    for cls in (NF4Quantizer, Int8Quantizer):
+        assert cls(cls.Options(fp32_non_quantized=True)).keeps_fp32("cuda") is True
+        assert cls(cls.Options(fp32_non_quantized=False)).keeps_fp32("cpu") is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp32", [False, True])
+def test_a_template_that_adds_tokens_trains_their_rows_either_way(project, fp32):
+    """llama3 adds four special tokens to the tiny tokenizer: their embedding and head rows train (peft's
+    trainable tokens, in fp32) on a bf16 4-bit base whether or not the base's other weights are upcast."""
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    body = plan_text(f'use = "bnb-nf4"\nfp32_non_quantized = {str(fp32).lower()}', steps=6)
+    body = body.replace('path = "base"', 'path = "base"\ndtype = "bfloat16"').replace('use = "chatml"', 'use = "llama3"')
+    run, _ = run_plan(project, body)
+    loss = losses(run)
+    assert len(loss) == 6 and loss[-1] < loss[0] - 0.3, loss
+    deltas = {n: d for n, d in SEEN["trainable"].items() if "trainable_tokens" in n}
+    assert len(deltas) == 2 and set(deltas.values()) == {torch.float32}, SEEN["trainable"]  # embeddings and head
+    assert SEEN["moved_rows"] == 2  # both moved away from the rows they started from
+    want = torch.float32 if fp32 else torch.bfloat16
+    assert SEEN["non_quantized"] == {"norms": {want}, "embeddings": want, "head": want}
 
 
 # -- load_kwargs and prepare, without a run ----------------------------------------------------

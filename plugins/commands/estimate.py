@@ -28,7 +28,7 @@ model loader   ``meta_model() -> (model, config)``               ``options.path`
                                                                  ``config.json``: transformers'
                                                                  ``from_config`` on ``meta``
 model loader   ``checkpoint_residue_bytes(quantized) -> int``    0
-quantizer      ``prepare_meta(model) -> model``                  the model unchanged; checkpointing
+quantizer      ``prepare_meta(model, *, device) -> model``       the model unchanged; checkpointing
                                                                  from an option named
                                                                  ``gradient_checkpointing``
 quantizer      ``weight_bytes(model) -> int``                    ``load_kwargs()``'s
@@ -39,7 +39,7 @@ quantizer      ``step_bytes(model, *, device) -> int``           0: what a train
                                                                  activations
 adapter        ``apply_meta(model, ctx)``, else ``apply``        every parameter trainable (an
                                                                  upper bound, with a note)
-trainer        ``memory_settings() -> dict``                     options named ``batch_size``,
+trainer        ``memory_settings(*, device) -> dict``            options named ``batch_size``,
                                                                  ``max_length``, ...
 trainer        ``activation_bytes(config, batch_size, seq_len,   a generic decoder formula
                checkpointing, *, model, device, precision)``
@@ -272,7 +272,7 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     prepare = _optional(quantizer, "prepare_meta")
     if prepare is not None:
         with calling(plan.quantizer, "prepare_meta"):
-            model = prepare(model)
+            model = _call(prepare, model, device=device)
     weights = _weight_bytes(plan, quantizer, model, loader, calling, sources, notes)
     step = 0
     fn = _optional(quantizer, "step_bytes")
@@ -376,7 +376,7 @@ def _settings(stage: Any, trainer: Any, device: str, calling: Callable, sources:
     fn = _optional(trainer, "memory_settings")
     if fn is not None:
         with calling(stage.trainer, "memory_settings"):
-            raw = dict(fn())
+            raw = dict(_call(fn, device=device))
         notes.extend(str(n) for n in raw.pop("notes", None) or [])
         sources["settings"] = f"trainer '{stage.trainer.name}'"
     else:

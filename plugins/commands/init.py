@@ -19,6 +19,7 @@ and the plan's comments say so. Without it, the tree above decides alone.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -102,6 +103,8 @@ class Choice:
     max_length: int
     checkpointing: bool
     why: list[str]  # comment lines for the plan
+    r: int | None = None  # LoRA rank; None: the method's default
+    optimizer: str | None = None  # None: the trainer's default
 
 
 def is_rlhf(a: Answers) -> bool:
@@ -144,7 +147,7 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
     if how == "full":
         lines += ["[adapter]", 'use = "full"', ""]
     else:
-        r = 16 if how == "qlora" else 32
+        r = (choice.r if choice is not None else None) or (16 if how == "qlora" else 32)
         lines += ["[adapter]", 'use = "lora"', f"r = {r}", f"lora_alpha = {2 * r}   # alpha = 2r, a common default",
                   'target_modules = "all-linear"   # every linear layer but lm_head', ""]
     lines += ["[data.train]", 'use = "json"' if a.data.endswith(".json") else 'use = "jsonl"',
@@ -161,6 +164,8 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
                  f"{choice.batch * choice.accumulation}",
                  f"max_length = {choice.max_length}",
                  f"gradient_checkpointing = {'true' if choice.checkpointing else 'false'}"]
+        if choice.optimizer:
+            knobs.append(f'optimizer = "{choice.optimizer}"   # 8-bit states, paged to the CPU under pressure')
     stages: list[list[str]] = []
     if a.goal == "domain" or a.kind == "text":
         stages.append(["# Domain shift on raw text: continued pre-training on every token.", "[[stage]]",
@@ -199,13 +204,17 @@ EFFECTIVE_BATCH = 16  # samples per optimizer step, kept as the batch shrinks (g
 MARGIN = 0.10  # of the GPU memory left free: the estimate's error and the allocator's fragmentation
 LENGTHS = (2048, 1024, 512)
 BATCHES = (8, 4, 2, 1)
+# QLoRA's leaner settings, in order of preference, before a shorter max_length: (r, optimizer), None the
+# default. The QLoRA recipe's paged 8-bit AdamW (2 bytes of state a parameter against 8), then rank 8.
+LEANER = {"qlora": ((None, None), (None, "paged_adamw_8bit"), (8, "paged_adamw_8bit"))}
 
 
 def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
     """The first plan, in order of preference, that ``ftcore estimate`` (CUDA, bf16) says fits the
     GPU memory less ``MARGIN``: the method the memory suggests and then the leaner ones; within a
-    method the longest ``max_length``, then no gradient checkpointing, then the largest batch
-    (gradient accumulation keeps the effective batch). None when no config is at hand."""
+    method the longest ``max_length``, then no gradient checkpointing, then (QLoRA) the default
+    optimizer and rank before ``LEANER``'s, then the largest batch (gradient accumulation keeps the
+    effective batch). None when no config is at hand."""
     import shutil
     import tempfile
 
@@ -246,35 +255,44 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
             return estimate.peak
 
         for how in order:
-            lean = Choice(how, 1, EFFECTIVE_BATCH, LENGTHS[-1], True, [])
+            variants = LEANER.get(how, ((None, None),))
+            lean = Choice(how, 1, EFFECTIVE_BATCH, LENGTHS[-1], True, [], *variants[-1])
             if (p := peak(lean)) is None:
                 return None  # the config cannot be read: no estimate to fit against
             if p > budget:
                 continue
-            for length in LENGTHS:
-                # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
-                for checkpointing in ((True,) if how == "qlora" else (False, True)):
-                    for batch in BATCHES:
-                        choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [])
-                        need = peak(choice)
-                        if need is not None and need <= budget:
-                            choice.why = [
-                                f"Fitted to {a.gpu_memory_gb:g} GB of GPU memory: `ftcore estimate --device cuda` "
-                                f"says {human(need)} at its peak, within {human(budget)} (the memory less a "
-                                f"{MARGIN:.0%} margin); {tried} settings tried, in this order of preference:",
-                                f"  method {' > '.join(order)} ({how} chosen), then max_length "
-                                f"{' > '.join(map(str, LENGTHS))} ({length}), then "
-                                + ("gradient checkpointing on (the 4-bit quantizer's own)" if how == "qlora" else
-                                   f"gradient checkpointing off > on ({'on' if checkpointing else 'off'})")
-                                + f", then batch {' > '.join(map(str, BATCHES))} "
-                                f"({batch}, accumulating {choice.accumulation} for an effective batch of "
-                                f"{batch * choice.accumulation}).",
-                                "Check it on the real hardware: ftcore estimate plan.toml --device cuda --budget "
-                                f"{a.gpu_memory_gb:g}GB"]
-                            return choice
+            # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
+            checkpointings = (True,) if how == "qlora" else (False, True)
+            for length, checkpointing, (r, optimizer), batch in itertools.product(LENGTHS, checkpointings, variants,
+                                                                                 BATCHES):
+                choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [], r, optimizer)
+                need = peak(choice)
+                if need is None or need > budget:
+                    continue
+                leaner = "" if len(variants) == 1 else (
+                    ", then " + " > ".join(_variant(v) for v in variants) + f" ({_variant((r, optimizer))})")
+                choice.why = [
+                    f"Fitted to {a.gpu_memory_gb:g} GB of GPU memory: `ftcore estimate --device cuda` "
+                    f"says {human(need)} at its peak, within {human(budget)} (the memory less a "
+                    f"{MARGIN:.0%} margin); {tried} settings tried, in this order of preference:",
+                    f"  method {' > '.join(order)} ({how} chosen), then max_length "
+                    f"{' > '.join(map(str, LENGTHS))} ({length}), then "
+                    + ("gradient checkpointing on (the 4-bit quantizer's own)" if how == "qlora" else
+                       f"gradient checkpointing off > on ({'on' if checkpointing else 'off'})")
+                    + f"{leaner}, then batch {' > '.join(map(str, BATCHES))} "
+                    f"({batch}, accumulating {choice.accumulation} for an effective batch of "
+                    f"{batch * choice.accumulation}).",
+                    "Check it on the real hardware: ftcore estimate plan.toml --device cuda --budget "
+                    f"{a.gpu_memory_gb:g}GB"]
+                return choice
         raise FtcoreError(f"init: no plan fits {a.gpu_memory_gb:g} GB of GPU memory even as {order[-1]} with batch 1, "
                           f"max_length {LENGTHS[-1]} and gradient checkpointing ({tried} settings estimated); use "
                           "more memory per GPU, or several GPUs with DeepSpeed ZeRO-3 (see docs/distributed.md)")
+
+
+def _variant(variant: tuple[int | None, str | None]) -> str:
+    r, optimizer = variant
+    return f"r {r or 16} with {optimizer or 'the default optimizer'}"
 
 
 def ask(prompt: str, default: str | None = None, choices: tuple[str, ...] | None = None) -> str:

@@ -5,8 +5,8 @@ in a line or two, so the estimate's knowledge of the built-ins lives in one modu
 
 - model loaders ``hf`` and ``scratch``: ``meta_model()``, the model on the ``meta`` device
   (no weights are read, no memory is used) and its config;
-- the bitsandbytes quantizers: ``prepare_meta(model)`` (what ``prepare()`` does to dtypes,
-  trainability and checkpointing) and ``weight_bytes(model)`` (the weights as stored);
+- the bitsandbytes quantizers: ``prepare_meta(model, *, device)`` (what ``prepare()`` does to
+  dtypes, trainability and checkpointing on that device) and ``weight_bytes(model)`` (the weights as stored);
 - trainers ``sft`` and ``pretrain`` (TRL's SFTTrainer): ``memory_settings()``,
   ``activation_bytes(...)``, ``optimizer_bytes(...)`` and ``runtime_bytes(...)``.
 
@@ -168,19 +168,31 @@ def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu") -> int:
     return sum(m.weight.numel() for m in quantized.values()) * size
 
 
-def bnb_prepare_meta(quantizer: Any, model: Any) -> Any:
-    """What ``BnbQuantizer.prepare`` does, on the meta model: every weight frozen, 16-bit weights
-    that stay unquantized upcast to fp32 (peft's ``prepare_model_for_kbit_training``; the
-    quantized ones are counted by :func:`bnb_weight_bytes`), non-reentrant checkpointing on."""
+BNB_BASE = "_ftcore_bnb_bits"  # on a meta model whose linear layers bitsandbytes would hold: their bits
+
+
+def bnb_prepare_meta(quantizer: Any, model: Any, *, device: str = "cpu") -> Any:
+    """What ``BnbQuantizer.prepare`` does on ``device``, on the meta model: every weight frozen,
+    non-reentrant checkpointing on, and the 16-bit weights that stay unquantized upcast to fp32
+    where the quantizer keeps them in fp32 there (``fp32_non_quantized``, else the device's
+    default: peft's ``prepare_model_for_kbit_training`` on CPU), else left in the model's dtype.
+    The quantized ones are counted by :func:`bnb_weight_bytes`."""
     import torch
 
+    keep = getattr(quantizer, "keeps_fp32", None)
+    upcast = keep(device) if callable(keep) else True
     for p in model.parameters():
         p.requires_grad_(False)
-        if p.dtype in (torch.float16, torch.bfloat16):
+        if upcast and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.to(torch.float32)
     if getattr(quantizer.options, "gradient_checkpointing", True):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:  # pragma: no cover - older transformers
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    setattr(model, BNB_BASE, getattr(quantizer, "bits", 4))
     return model
 
 
@@ -189,7 +201,8 @@ def bnb_weight_bytes(quantizer: Any, model: Any) -> int:
 
     4-bit: two weights per byte, plus one absmax per 64-weight block, itself 8-bit with an fp32
     constant per 256 blocks under double quantization (else fp32). 8-bit: one byte per weight
-    plus an fp32 scale per output row. Everything else at its dtype (fp32 after prepare)."""
+    plus an fp32 scale per output row. Everything else at its dtype after :func:`bnb_prepare_meta`
+    (fp32 where the quantizer keeps the non-quantized weights in fp32, else the model's)."""
     o = quantizer.options
     bits = getattr(quantizer, "bits", 4)
     quantized = _quantized_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
@@ -236,8 +249,9 @@ _EIGHT_BIT = {  # one byte per state value (+ a block constant per 2048 values)
 # log-probabilities, probabilities, the gradient and the temporaries of its formula);
 # with Triton (CUDA) one tile in the compute dtype and the kernel's own buffers.
 _TILE_TOKENS, _TILE_VOCAB = 4096, 32768
-# sft/pretrain's own loss (plugins/trainers/_loss.py), per loss_kernel. "chunked": a chunk of the
-# trainer's loss_chunk_elements fp32 logits, turned in place into probabilities and gradient, plus
+# sft/pretrain's own loss (plugins/trainers/_loss.py), per loss_kernel. "chunked": a chunk of
+# loss_chunk_elements fp32 logits (the device's, device_defaults.py, unless the trainer class sets its
+# own), turned in place into probabilities and gradient, plus
 # the max/index/sum rows and the autograd copies: about 2 chunks. "full": the logits in the
 # model's dtype, their fp32 copy, the log-softmax and its gradient.
 _CHUNK_BUFFERS = 2.0
@@ -255,10 +269,13 @@ _CPU_RUNTIME = 120 * MiB
 _CUDA_RUNTIME = 768 * MiB
 
 
-def trainer_memory_settings(trainer: Any) -> dict[str, Any]:
+def trainer_memory_settings(trainer: Any, *, device: str = "cpu") -> dict[str, Any]:
+    from ftcore_plugins.common.device_defaults import defaults
+
     o = trainer.options
+    optimizer = defaults(device).optimizer if o.optimizer == "auto" else o.optimizer  # as trainers/_optimizers.py
     out = {"batch_size": o.batch_size, "seq_len": o.max_length, "gradient_checkpointing": o.gradient_checkpointing,
-           "optimizer": o.optimizer, "precision": o.precision, "notes": []}
+           "optimizer": optimizer, "precision": o.precision, "notes": []}
     if not getattr(o, "packing", True):  # sft without packing pads each batch to its longest row
         out["notes"].append(f"sequences counted at max_length ({o.max_length}), the longest a batch can be: "
                             "rows are padded to the longest in their batch, so shorter data takes less")
@@ -277,21 +294,48 @@ def _is_norm(module: Any) -> bool:
     return "norm" in name and hasattr(module, "weight") and getattr(module, "weight", None) is not None
 
 
-def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool,
-                             *, model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:
-    """Peak activation memory of one training step of a decoder-only transformer under TRL.
+# Which input of a Llama-style decoder layer each adapted linear layer reads.
+_LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
+                "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_out"}
 
-    Per layer, the tensors autograd saves (counted with saved-tensor hooks on Llama, full and
-    LoRA): each of the two norms keeps its fp32 input, and its output when its weight trains;
-    then query, attention output, o_proj input and one more hidden-width tensor, key and value,
-    and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
-    on a 16-bit base a copy of each adapted layer's input in the adapter's dtype. Then the
-    loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM head.
-    With checkpointing only each layer's input is kept, and one layer at a time is recomputed in
-    backward, with its gradients.
-    """
-    import torch
 
+def _bnb_layer_bytes(h: int, q_dim: int, kv_dim: int, heads: int, inter: int, res: int, norm: int, layers: int,
+                     adapted: list[tuple[str, str | None, int, int]], *, autocast: bool, cuda: bool) -> float:
+    """Bytes a decoder layer saves for backward per token, on average over the layers, on a
+    bitsandbytes base where 16-bit tensors are involved (a 16-bit model, or autocast).
+
+    A bitsandbytes layer keeps no input (its weight is frozen) and returns its input's dtype, even
+    under autocast: the projections of an fp32 residual stream are fp32. SDPA keeps query, key, value,
+    output (in autocast's 16 bits where it runs) and its log-sum-exp; the MLP its gate, up and
+    activation, in the dtype the projections return. Each LoRA A keeps its input and LoRA B the A
+    output: peft casts the input to the fp32 adapter's dtype (a copy per adapted layer; autocast then
+    makes it 16-bit again) except inside CUDA's autocast (its bnb layers test torch.is_autocast_enabled(),
+    CUDA's), where autocast copies an fp32 input to 16 bits per layer and a 16-bit input is kept as it
+    is, once for the layers that share it. Checked with saved-tensor hooks on a 4-bit Llama with LoRA
+    on every linear layer, CPU and CUDA paths (tests/test_estimate.py)."""
+    half = 2 if autocast else res  # what SDPA keeps: autocast's dtype, else the stream's
+    layer = 2 * norm * h + (2 * q_dim + 2 * kv_dim) * half + heads * 4 + 3 * inter * res
+    dtypes = {"attn_in": res, "attn_out": half, "mlp_in": res, "mlp_out": res}
+    shared = {"attn_in": h, "attn_out": 0, "mlp_in": h, "mlp_out": inter}  # o_proj reads a view of SDPA's output
+    kept: set[tuple[str, str]] = set()
+    total = 0
+    for parent, group, width, rank in adapted:
+        total += rank * (2 if autocast else 4)  # the A output, kept by B: 16-bit under autocast, else fp32
+        dtype = dtypes.get(group, res)
+        if not (autocast and cuda) and dtype != 4:
+            total += width * (2 if autocast else 4)  # peft's fp32 copy, 16-bit again under autocast
+        elif autocast and dtype != 2:
+            total += width * 2  # autocast's 16-bit copy, one per layer
+        elif group is None:
+            total += width * dtype  # an input this count does not place: counted as its own
+        elif (parent, group) not in kept:  # q, k, v (gate, up) of one layer read one tensor
+            kept.add((parent, group))
+            total += shared[group] * dtype
+    return layer + total / layers
+
+
+def _dims(model_config: Any) -> tuple[int, int, int, int, int, int, int]:
+    """(hidden, layers, heads, query width, key/value width, MLP width, vocabulary) of a decoder."""
     c = _text_config(model_config)
     h = getattr(c, "hidden_size", None) or getattr(c, "n_embd", None) or getattr(c, "d_model", None)
     layers = getattr(c, "num_hidden_layers", None) or getattr(c, "n_layer", None)
@@ -302,48 +346,111 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     head_dim = getattr(c, "head_dim", None) or h // heads
     inter = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * h
     vocab = getattr(c, "vocab_size", 0) or 0
-    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    return h, layers, heads, heads * head_dim, kv_heads * head_dim, inter, vocab
 
-    autocast = precision in ("bf16", "fp16")
-    res = 4  # the residual stream's dtype: the input embeddings' (fp32 after a bnb prepare)
-    norms_train = True
-    lora_inputs = 0  # sum of the adapted layers' input widths
-    lora_outputs = 0  # sum of the LoRA ranks
-    lora_widths: list[int] = []  # the adapted layers' output widths
-    head_grad = 0
-    if model is not None:
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if getattr(emb, "weight", None) is not None:
-            res = emb.weight.element_size()
-        norms = [m for m in model.modules() if _is_norm(m)]
-        norms_train = any(m.weight.requires_grad for m in norms) if norms else True
-        for name, p in model.named_parameters():
-            if p.requires_grad and "lora_A" in name and p.dim() == 2:
-                lora_outputs += p.shape[0]
-                lora_inputs += p.shape[1]
-            elif p.requires_grad and "lora_B" in name and p.dim() == 2:
-                lora_widths.append(p.shape[0])
-        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        w = getattr(out, "weight", None)
-        if w is not None and w.requires_grad and w.dtype != torch.float32:
-            head_grad = w.numel() * 4  # the head's fp32 gradient before it is cast to the weight's dtype
+
+def _scan(model: Any, autocast: bool) -> dict[str, Any]:
+    """What the activation count reads from the (meta) model: dtypes, what trains, the adapters."""
+    import torch
+
+    found: dict[str, Any] = {
+        "res": 4,  # the residual stream's dtype: the input embeddings' (fp32 when no model is given)
+        "norms_train": True,
+        "lora_inputs": 0,  # sum of the adapted layers' input widths
+        "lora_outputs": 0,  # sum of the LoRA ranks
+        "lora_widths": [],  # the adapted layers' output widths
+        "adapted": [],  # each adapted layer's parent module, input (_LORA_INPUTS), width and rank
+        "head_grad": 0,
+        "cast_cache": 0,  # 16-bit copies of trainable fp32 matrices that autocast keeps through the forward
+        "bnb_bits": getattr(model, BNB_BASE, 0) if model is not None else 0,
+    }
+    if model is None:
+        return found
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if getattr(emb, "weight", None) is not None:
+        found["res"] = emb.weight.element_size()
+    norms = [m for m in model.modules() if _is_norm(m)]
+    found["norms_train"] = any(m.weight.requires_grad for m in norms) if norms else True
+    for name, p in model.named_parameters():
+        if p.requires_grad and "lora_A" in name and p.dim() == 2:
+            found["lora_outputs"] += p.shape[0]
+            found["lora_inputs"] += p.shape[1]
+            parent, _, layer = name.split(".lora_A")[0].rpartition(".")
+            found["adapted"].append((parent, _LORA_INPUTS.get(layer), p.shape[1], p.shape[0]))
+        elif p.requires_grad and "lora_B" in name and p.dim() == 2:
+            found["lora_widths"].append(p.shape[0])
+        if autocast and p.requires_grad and p.dim() == 2 and p.dtype == torch.float32:
+            found["cast_cache"] += p.numel() * 2
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    w = getattr(out, "weight", None)
+    if w is not None and w.requires_grad and w.dtype != torch.float32:
+        found["head_grad"] = w.numel() * 4  # the head's fp32 gradient before it is cast to the weight's dtype
+    return found
+
+
+def _layer_bytes(dims: tuple, found: dict[str, Any], *, device: str, autocast: bool) -> float:
+    h, layers, heads, q_dim, kv_dim, inter, _ = dims
+    res = found["res"]
     lin = 2 if autocast or res == 2 else 4  # what linear layers output
+    norm = 4 + (res if found["norms_train"] else 0)  # bytes per element, per norm
+    if found["bnb_bits"] == 4 and lin == 2:  # 8-bit layers keep their input (not modeled apart)
+        return _bnb_layer_bytes(h, q_dim, kv_dim, heads, inter, res, norm, layers, found["adapted"],
+                                autocast=autocast, cuda=device == "cuda")
     # On a 16-bit base peft casts each adapted layer's input to the (fp32) adapter's dtype;
     # under autocast that copy is 16-bit again.
     lora_copy = 0 if lin == 4 else (2 if autocast else 4)
+    per_layer = 2 * norm * h + (3 * q_dim + h + 2 * kv_dim + 4 * inter) * lin
+    return per_layer + (found["lora_outputs"] * 4 + found["lora_inputs"] * lora_copy) / layers
 
+
+def layer_activation_bytes(model_config: Any, model: Any = None, *, device: str = "cpu",
+                           precision: str = "fp32") -> float:
+    """Bytes a decoder layer saves for backward per token (the average over the layers), as
+    :func:`trainer_activation_bytes` counts them."""
+    autocast = precision in ("bf16", "fp16")
+    return _layer_bytes(_dims(model_config), _scan(model, autocast), device=device, autocast=autocast)
+
+
+def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool,
+                             *, model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:
+    """Peak activation memory of one training step of a decoder-only transformer under TRL.
+
+    Per layer, the tensors autograd saves (counted with saved-tensor hooks on Llama, full and
+    LoRA): each of the two norms keeps its fp32 input, and its output when its weight trains;
+    then query, attention output, o_proj input and one more hidden-width tensor, key and value,
+    and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
+    on a 16-bit base a copy of each adapted layer's input in the adapter's dtype; on a 4-bit
+    bitsandbytes base where 16 bits are involved, :func:`_bnb_layer_bytes`. Under autocast, the
+    16-bit copies of the trainable fp32 weights that autocast caches through the forward. Then
+    the loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM
+    head. With checkpointing only each layer's input is kept, and one layer at a time is
+    recomputed in backward, with its gradients.
+    """
+    dims = _dims(model_config)
+    h, layers, _, _, _, _, vocab = dims
+    autocast = precision in ("bf16", "fp16")
+    found = _scan(model, autocast)
+    res, head_grad, cast_cache, lora_widths = found["res"], found["head_grad"], found["cast_cache"], \
+        found["lora_widths"]
+    lin = 2 if autocast or res == 2 else 4  # what linear layers output
     tokens = batch_size * seq_len
-    norm = 4 + (res if norms_train else 0)  # bytes per element, per norm
-    per_layer = tokens * (2 * norm * h + (3 * q_dim + h + 2 * kv_dim + 4 * inter) * lin)
-    per_layer += tokens * (lora_outputs * 4 + lora_inputs * lora_copy) / layers
+    norm = 4 + (res if found["norms_train"] else 0)  # bytes per element, per norm
+    per_layer = tokens * _layer_bytes(dims, found, device=device, autocast=autocast)
     final_norm = tokens * h * norm
     rows = batch_size * max(seq_len - 1, 1)
-    kernel = getattr(getattr(trainer, "options", None), "loss_kernel", "trl")
-    if kernel == "chunked":
+    kernel = _loss_kernel(trainer, device)
+    if kernel in ("chunked", "liger"):
         # The trained rows' hidden states (a copy), their fp32 gradient, and the chunk's working set;
         # a trained head's fp32 gradient is accumulated in the forward pass.
-        chunk = trainer.loss_chunk_elements
-        work = min(rows, max(1, chunk // max(vocab, 1))) * vocab * 4 * _CHUNK_BUFFERS
+        if kernel == "liger":
+            # Liger's fused linear cross-entropy (not measured here): chunks of next_pow2(rows / ceil(vocab /
+            # hidden)) rows, about the hidden states' size, its logits in the compute dtype, the gradient
+            # written over them.
+            chunk_rows = 1 << (math.ceil(rows / math.ceil(max(vocab, 1) / h)) - 1).bit_length()
+            work = min(rows, chunk_rows) * vocab * lin
+        else:
+            chunk = loss_chunk_elements(trainer, device)
+            work = min(rows, max(1, chunk // max(vocab, 1))) * vocab * 4 * _CHUNK_BUFFERS
         trained_head = getattr(getattr(model, "get_output_embeddings", lambda: None)(), "weight", None)
         head = rows * h * lin + rows * h * 4 + work + head_grad
         if trained_head is not None and trained_head.requires_grad:
@@ -366,8 +473,35 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
         retained = sum(2 * tokens * w * lin for w in lora_widths if tokens * w * lin <= _MMAP_THRESHOLD_MAX)
     if checkpointing:
         saved = layers * tokens * h * res + final_norm
-        return int(saved + max(head, 2 * per_layer) + retained)
-    return int(layers * per_layer + final_norm + head + retained)
+        return int(saved + max(head + cast_cache, 2 * per_layer) + retained)
+    return int(layers * per_layer + final_norm + head + cast_cache + retained)
+
+
+def _loss_kernel(trainer: Any, device: str) -> str:
+    """The loss kernel the trainer runs on ``device``: its ``loss_kernel`` option (TRL's fused LM
+    head without one), ``auto`` resolved as sft/pretrain resolve it (``trainers/_loss.py``): the
+    device's first default that runs there, Liger only on CUDA with liger-kernel installed."""
+    import importlib.util
+
+    from ftcore_plugins.common.device_defaults import defaults
+
+    o = getattr(trainer, "options", None)
+    kernel = getattr(o, "loss_kernel", "trl")
+    if kernel == "auto":
+        runs = {"liger": device == "cuda" and importlib.util.find_spec("liger_kernel") is not None}
+        kernel = next((k for k in defaults(device).loss_kernels if runs.get(k, True)), "chunked")
+    if kernel == "chunked" and getattr(o, "liger", False):
+        kernel = "liger"
+    return kernel
+
+
+def loss_chunk_elements(trainer: Any, device: str) -> int:
+    """Logits per chunk of the chunked loss on ``device``: the trainer class's own
+    ``loss_chunk_elements`` where it sets one, else the device's default."""
+    from ftcore_plugins.common.device_defaults import defaults
+
+    own = getattr(trainer, "loss_chunk_elements", None)
+    return defaults(device).loss_chunk_elements if own is None else int(own)
 
 
 def trainer_optimizer_bytes(trainer: Any, params: list, *, device: str = "cpu") -> tuple[int, int]:
@@ -375,7 +509,11 @@ def trainer_optimizer_bytes(trainer: Any, params: list, *, device: str = "cpu") 
     runs ``foreach`` on CUDA, which materialises intermediates such as sqrt(v) for every
     parameter at once (one copy of the parameters' size), and one parameter at a time on CPU
     (about two copies of the largest parameter)."""
+    from ftcore_plugins.common.device_defaults import defaults
+
     name = trainer.options.optimizer
+    if name == "auto":  # as the trainers resolve it (trainers/_optimizers.py): the device's AdamW
+        name = defaults(device).optimizer
     n = sum(p.numel() for p in params)
     own = sum(p.numel() * p.element_size() for p in params)
     largest = max((p.numel() * p.element_size() for p in params), default=0)
@@ -404,8 +542,8 @@ class TrainerMemory:
     """Mixin for trainers that train through TRL's SFTTrainer (``sft``, ``pretrain``): the
     optional methods ``ftcore estimate`` asks a trainer."""
 
-    def memory_settings(self) -> dict[str, Any]:
-        return trainer_memory_settings(self)
+    def memory_settings(self, *, device: str = "cpu") -> dict[str, Any]:
+        return trainer_memory_settings(self, device=device)
 
     def activation_bytes(self, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool, *,
                          model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:

@@ -26,6 +26,7 @@ class BnbOptions(Options):
     """Options every bitsandbytes quantizer takes (transformers' ``BitsAndBytesConfig`` names)."""
 
     gradient_checkpointing: bool = True  # non-reentrant, turned on by prepare(); off trades memory for speed
+    fp32_non_quantized: bool | None = None  # norms, embeddings, LM head in fp32; unset: the device's (CPU yes, CUDA no)
 
 
 class BnbQuantizer(Component):
@@ -72,21 +73,36 @@ class BnbQuantizer(Component):
         return kwargs
 
     def prepare(self, model):
-        """QLoRA preparation: peft's ``prepare_model_for_kbit_training``, then keep trainable
-        parameters in fp32 through training."""
-        from peft import prepare_model_for_kbit_training
-
+        """QLoRA preparation: every base weight frozen, non-reentrant gradient checkpointing, no KV
+        cache; the non-quantized weights in fp32 or left in the model's dtype
+        (:meth:`keeps_fp32`); trainable parameters kept in fp32 through training."""
         flag = "is_loaded_in_4bit" if self.bits == 4 else "is_loaded_in_8bit"
         if not getattr(model, flag, False):
             raise FtcoreError(f"quantizer '{self.name}': the model loader ignored the quantizer (the model is not "
                               f"loaded in {self.bits}-bit); use a loader that passes load_kwargs() to "
                               "from_pretrained, such as [model] use = \"hf\"")
-        # Freezes every base weight, upcasts fp16/bf16 non-quantized weights (norms, embeddings,
-        # lm_head) to fp32 and turns on non-reentrant gradient checkpointing (no input-grad hook
-        # needed with use_reentrant=False).
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=self.options.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.keeps_fp32(_model_device(model)):
+            from peft import prepare_model_for_kbit_training
+
+            # Freezes every base weight, upcasts fp16/bf16 non-quantized weights (norms, embeddings,
+            # lm_head) to fp32 and turns on non-reentrant gradient checkpointing (no input-grad hook
+            # needed with use_reentrant=False).
+            model = prepare_model_for_kbit_training(
+                model, use_gradient_checkpointing=self.options.gradient_checkpointing,
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            # The same without the upcast, as TRL's SFTTrainer leaves them: fp32 copies of a 128k-vocabulary
+            # 8B model's embeddings and head are 4.2 GB, and fp32 norms make the residual stream fp32 too.
+            for p in model.parameters():
+                p.requires_grad_(False)
+            if self.options.gradient_checkpointing:
+                # Non-reentrant, as above: gradients reach the adapters inside a block whose input needs
+                # none (peft adds its input-grad hook for reentrant checkpointing only).
+                enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+                if enable is not None:
+                    enable(activation_checkpointing_kwargs={"use_reentrant": False})
+                else:  # pragma: no cover - older transformers
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # A KV cache is useless in training and conflicts with checkpointing. generate() still
         # uses one: it follows generation_config.use_cache, not config.use_cache.
         model.config.use_cache = False
@@ -94,11 +110,19 @@ class BnbQuantizer(Component):
         keep_cpu_layout_trainable(model)
         return model
 
+    def keeps_fp32(self, device: str) -> bool:
+        """Whether prepare() upcasts the non-quantized weights on ``device`` ("cpu", "cuda"): the
+        ``fp32_non_quantized`` option, else the device's default (``common/device_defaults.py``)."""
+        from ftcore_plugins.common.device_defaults import defaults
+
+        own = self.options.fp32_non_quantized
+        return defaults(device).fp32_non_quantized if own is None else own
+
     # -- ftcore estimate (optional; see plugins/_estimate.py) ---------------------------------
-    def prepare_meta(self, model):
+    def prepare_meta(self, model, *, device: str = "cpu"):
         from ftcore_plugins.common.estimate import bnb_prepare_meta
 
-        return bnb_prepare_meta(self, model)
+        return bnb_prepare_meta(self, model, device=device)
 
     def weight_bytes(self, model) -> int:
         from ftcore_plugins.common.estimate import bnb_weight_bytes
@@ -154,6 +178,17 @@ def keep_cpu_layout_trainable(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def _model_device(model) -> str:
+    """The device type the loaded model's weights are on; for one that has none there yet (meta),
+    where it will train: a GPU when one is visible to torch."""
+    import torch
+
+    parameter = next(iter(model.parameters()), None)
+    if parameter is not None and parameter.device.type != "meta":
+        return parameter.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def compute_dtype(name: str):

@@ -293,8 +293,9 @@ def chat_row(*turns) -> dict:
      "token alone"),
     (chat_row(("assistant", "a"), ("assistant", "b"), ("user", "c")),
      "'messages[1]' is a second assistant turn in a row; merge them into one message"),
-    (chat_row(("user", "Hi"), {"role": "assistant", "content": [{"type": "text", "value": "Hello"}]}),
-     "'messages[1].content[0]' has 'value'; text parts need 'text'"),
+    (chat_row(("user", "Hi"), {"role": "assistant", "content": [{"type": "text", "text": "Hel"},
+                                                                {"type": "text", "value": "lo"}]}),
+     "'messages[1].content[1]' has 'value'; text parts need 'text'"),
     (chat_row(("user", "Hi"), {"role": "assistant", "content": "Hello", "thinking": "a", "reasoning": "b"}),
      "'messages[1]' has both 'thinking' and 'reasoning', and they differ; give the reasoning once"),
 ])

@@ -140,14 +140,27 @@ def test_sharegpt_unknown_role_and_empty_conversation():
 
 # -- openai messages ------------------------------------------------------------------------------
 
-def test_messages_keep_tool_calls_and_tool_names_and_drop_other_keys():
+def test_messages_keep_tool_calls_tool_names_and_call_ids_and_drop_other_keys():
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
-    row = {"messages": [u("q"), {"role": "assistant", "content": None, "tool_calls": calls, "weight": 1},
-                        {"role": "tool", "content": "r", "tool_call_id": "c1"}, a("done")]}
+    row = {"messages": [u("q"), {"role": "assistant", "content": None, "tool_calls": calls, "weight": 1, "x": 1},
+                        {"role": "tool", "content": "r", "tool_call_id": "c1", "extra": "dropped"}, a("done")]}
     messages, _ = chat(row)
-    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": json.dumps(calls)}
-    assert messages[2] == {"role": "tool", "content": "r", "name": "f"}  # named after the call it answers
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": json.dumps(calls)}  # weight 1: trained
+    # named after the call it answers; its call id kept (Mistral's and Kimi's templates render it)
+    assert messages[2] == {"role": "tool", "content": "r", "name": "f", "tool_call_id": "c1"}
     assert messages[3] == a("done")
+    with pytest.raises(RowError, match=r"'messages\[2\]\.tool_call_id' must be a string, got a list"):
+        convert({"messages": [u("q"), row["messages"][1], {"role": "tool", "content": "r", "tool_call_id": [1]}]})
+
+
+def test_every_message_key_a_template_reads_is_a_column_of_the_batch():
+    """Keys the data layer keeps reach Arrow (``features``) and the batch, so templates can read them."""
+    keys = set(F.features("chat")["messages"].feature)
+    assert {"role", "content", "tool_calls", "name", "reasoning_content", "tool_call_id"} <= keys
+    row = {"messages": [u("q"), {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+           "function": {"name": "f", "arguments": {}}}]}, {"role": "tool", "content": "r", "tool_call_id": "c1"}]}
+    out = F.convert_batch({"messages": [row["messages"]]}, "auto", "chat")
+    assert out["messages"][0][2]["tool_call_id"] == "c1"
 
 
 def test_messages_content_parts_are_joined_and_wrong_types_named():
@@ -305,7 +318,7 @@ def test_convert_batch_never_raises_and_marks_bad_rows_in_order():
     out = F.convert_batch(batch, "auto", "chat")
     assert list(out) == ["messages", "tools", F.ERROR_COLUMN, F.FORMAT_COLUMN]
     assert out[F.FORMAT_COLUMN] == ["alpaca", None, None, "alpaca"]
-    empty = {"tool_calls": None, "name": None, "reasoning_content": None}
+    empty = {"tool_calls": None, "name": None, "reasoning_content": None, "tool_call_id": None, "weight": None}
     assert out["messages"][0] == [{"role": "user", "content": "a", **empty},
                                   {"role": "assistant", "content": "1", **empty}]
     assert out["messages"][1] is None and out[F.ERROR_COLUMN][0] is None
@@ -375,9 +388,12 @@ def test_prompts_need_no_answer_but_keep_the_order():
         "the 'rejected' field is an assistant turn with empty content")
 
 
-def test_content_parts_with_value_instead_of_text_say_so():
-    row = {"messages": [u("q"), {"role": "assistant", "content": [{"type": "text", "value": "hi"}]}]}
-    assert error_of(row) == ("'messages[1].content[0]' has 'value'; text parts need 'text'", "missing_field",
+def test_content_parts_mixing_value_and_text_say_so():
+    # All parts with `value` are LLaMA-Factory v1's (test_llamafactory_v1_rows); OpenAI parts with one `value`
+    # among them are a mixed-up file.
+    row = {"messages": [u("q"), {"role": "assistant", "content": [{"type": "text", "text": "hi "},
+                                                                  {"type": "text", "value": "there"}]}]}
+    assert error_of(row) == ("'messages[1].content[1]' has 'value'; text parts need 'text'", "missing_field",
                              "messages")
     row["messages"][1]["content"] = [{"type": "image_url", "image_url": {"url": "x"}}]
     assert error_of(row)[0] == "'messages[1].content[0]' is a 'image_url' part; only text parts " \
@@ -428,3 +444,77 @@ def test_reasoning_is_a_column_of_the_batch_and_of_the_features():
     out = F.convert_rows(rows, "auto", "chat")
     assert out["messages"][0][1]["reasoning_content"] == "r" and out["messages"][0][0]["reasoning_content"] is None
     assert "reasoning_content" in F.features("chat")["messages"].feature
+
+
+# -- LLaMA-Factory v1 ---------------------------------------------------------------------------------
+
+def lf(role, *parts, weight=None):
+    """A LLaMA-Factory v1 message: typed parts ``(type, value)`` and its ``loss_weight``."""
+    weight = (1.0 if role == "assistant" else 0.0) if weight is None else weight
+    return {"role": role, "content": [{"type": t, "value": v} for t, v in parts], "loss_weight": weight}
+
+
+LF_CALL = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})
+LF_ROW = {"messages": [
+    lf("system", ("text", "Be brief.")),
+    lf("user", ("text", "Hi"), ("text", " there")),
+    lf("assistant", ("text", "Hello!"), weight=0.0),  # kept as context, not trained
+    lf("user", ("text", "Weather in Paris?")),
+    lf("assistant", ("reasoning", "A tool knows."), ("tool_call", LF_CALL)),
+    lf("tool", ("text", "21C")),
+    lf("assistant", ("text", "It is 21C."))],
+    "tools": json.dumps([{"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}])}
+
+
+def test_llamafactory_v1_rows():
+    """LLaMA-Factory v1's rows (content as {"type", "value"} parts, a loss_weight per message) read as chat rows:
+    text parts joined, reasoning and tool_call parts as reasoning_content and tool_calls, loss_weight 0 on an
+    assistant turn kept as `weight = 0` (context, not trained); their preference rows' chosen_messages and
+    rejected_messages are whole conversations."""
+    messages, tools = chat(LF_ROW)
+    call = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert messages == [{"role": "system", "content": "Be brief."}, u("Hi there"), {**a("Hello!"), "weight": 0},
+                        u("Weather in Paris?"),
+                        {"role": "assistant", "content": "", "tool_calls": json.dumps(call),
+                         "reasoning_content": "A tool knows."},
+                        {"role": "tool", "content": "21C", "name": "get_weather"}, a("It is 21C.")]
+    assert json.loads(tools)[0]["name"] == "get_weather"
+    # A "tools" part (a system message's, say) gives the row's schemas.
+    parts = {"messages": [lf("system", ("tools", '[{"name": "f"}]'), ("text", "S")), lf("user", ("text", "q")),
+                          lf("assistant", ("text", "a"))]}
+    assert chat(parts) == ([{"role": "system", "content": "S"}, u("q"), a("a")], '[{"name": "f"}]')
+    pair = {"chosen_messages": [lf("user", ("text", "q")), lf("assistant", ("text", "good"))],
+            "rejected_messages": [lf("user", ("text", "q")), lf("assistant", ("text", "bad"))]}
+    assert convert(pair) == ("implicit_preference", "preference",
+                             {"prompt": [u("q")], "chosen": [a("good")], "rejected": [a("bad")]})
+
+
+def test_llamafactory_v1_weights_and_parts_that_cannot_be_read_are_named():
+    assert error_of({"messages": [lf("user", ("text", "q")), lf("assistant", ("text", "a"), weight=0.5)]})[0] == (
+        "'messages[1].loss_weight' must be 0 (not trained) or 1 (trained), got 0.5: ftcore trains a turn or not")
+    assert error_of({"messages": [lf("user", ("text", "q"), weight=1.0), lf("assistant", ("text", "a"))]})[0] == (
+        "'messages[0]' is a user turn with loss_weight = 1, but only assistant turns are trained (set "
+        "train_on_inputs = true in the stage to train the whole conversation)")
+    assert error_of({"messages": [lf("user", ("image_url", "x.png")), lf("assistant", ("text", "a"))]})[0] == (
+        "'messages[0].content[0]' is a 'image_url' part; ftcore reads text, reasoning, tool_call and tools parts")
+    assert error_of({"messages": [lf("user", ("text", "q")), lf("assistant", ("tool_call", "{oops"))]})[0].startswith(
+        "'messages[1].content[0].value' of a tool_call part must be JSON like")
+    # OpenAI's `weight` is read the same way.
+    assert chat({"messages": [u("q"), {**a("x"), "weight": 0}, u("r"), a("y")]})[0][1] == {**a("x"), "weight": 0}
+
+
+def test_llamafactory_v1_turns_with_loss_weight_0_are_not_trained():
+    from ftcore_plugins.common.chat import row_samples
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+
+    messages, _ = chat(LF_ROW)
+    template = ChatMLTemplate()
+    [(text, spans)] = row_samples({"messages": messages[:3] + [u("Again?"), a("Sure.")]}, None, template)
+    assert [text[i:j] for i, j in spans] == ["Sure.<|im_end|>"]  # "Hello!" (loss_weight 0) is not trained
+    [(text, spans)] = row_samples({"messages": messages[:3]}, None, template)
+    assert spans == []  # nothing to train: the sample is dropped (dropped_no_labels)
+    per_turn = ChatMLTemplate(ChatMLTemplate.Options(samples="per_turn"))
+    samples = row_samples({"messages": messages[:3] + [u("Again?"), a("Sure.")]}, None, per_turn)
+    assert [[t[i:j] for i, j in sp] for t, sp in samples] == [["Sure.<|im_end|>"]]
+    assert "weight" not in row_samples({"messages": messages[:3] + [u("Again?"), a("Sure.")]}, None,
+                                       template)[0][0]

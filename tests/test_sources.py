@@ -124,6 +124,29 @@ def test_glaive_toolcall_fixture(tmp_path):
     assert empty and all(got.ds[j]["tools"] is None for j in empty[:5])
 
 
+def test_llamafactory_v1_file_loads_with_its_untrained_turns_and_tool_call_ids(tmp_path):
+    """LLaMA-Factory v1 rows through a source: Arrow keeps `weight` (loss_weight 0) and `tool_call_id`;
+    a file without them has neither key (docs/data.md, "The internal schema")."""
+    from test_formats import LF_ROW
+
+    rows = [LF_ROW, {**LF_ROW, "messages": LF_ROW["messages"][:3] + [
+        {"role": "user", "content": [{"type": "text", "value": "Again"}], "loss_weight": 0.0},
+        {"role": "assistant", "content": [{"type": "text", "value": "Sure."}], "loss_weight": 1.0}]}]
+    (tmp_path / "lf.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    got = load_data(tmp_path, 'use = "jsonl"\npath = "lf.jsonl"\n')
+    assert got.stats["formats"] == {"messages": 2} and got.ds.column_names == ["messages", "tools"]
+    first = got.ds[0]["messages"]
+    assert [m["weight"] for m in first] == [None, None, 0, None, None, None, None]
+    assert first[4]["reasoning_content"] == "A tool knows." and first[5]["name"] == "get_weather"
+    (tmp_path / "ids.jsonl").write_text(json.dumps({"messages": [
+        u("q"), {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": {}}}]}, {"role": "tool", "content": "r", "tool_call_id": "c1"}, a("ok")]}) + "\n",
+        encoding="utf-8")
+    messages = load_data(tmp_path, 'use = "jsonl"\npath = "ids.jsonl"\n').ds[0]["messages"]
+    assert messages[2]["tool_call_id"] == "c1" and set(messages[0]) == {"role", "content", "tool_calls", "name",
+                                                                         "tool_call_id"}
+
+
 def test_dpo_fixture_sharegpt_preference(tmp_path):
     rows = raw("dpo_en_demo.json")
     got = load_data(tmp_path, f'use = "json"\npath = "{fixture("dpo_en_demo.json")}"\n')

@@ -27,8 +27,11 @@ def inspecting(tmp_path):
     return JinjaFileTemplate(JinjaFileTemplate.Options(path=str(path), stop_tokens=["<|im_end|>"]))
 
 
-def test_an_unlocatable_turn_names_the_data_the_row_the_template_and_the_fix(inspecting, ftcore_tiny_model):
+def test_an_unlocatable_turn_names_the_data_the_row_the_template_and_the_fix(inspecting, ftcore_tiny_model,
+                                                                             tmp_path, monkeypatch):
     import datasets
+
+    monkeypatch.chdir(tmp_path)  # the template file is named relative to the working folder
 
     from ftcore_plugins.common.chat import encode
 
@@ -36,7 +39,7 @@ def test_an_unlocatable_turn_names_the_data_the_row_the_template_and_the_fix(ins
         encode(datasets.Dataset.from_list(rows()), ftcore_tiny_model.tokenizer, inspecting, max_length=None,
                where="data.chat (chat.jsonl)")
     assert str(err.value) == (
-        "data.chat (chat.jsonl), row 1: template 'jinja': the template renders a message differently when its text changes (it "
+        "data.chat (chat.jsonl), row 1: template 'jinja' (inspecting.jinja): the template renders a message differently when its text changes (it "
         "escapes or tests the content), so turns cannot be located by marking them; set [template] use = "
         "\"chatml\" (or another named template), train_on_inputs = true, or on_error = \"skip\" in the data "
         "source (`ftcore validate --data PLAN` lists every such row with its file and line)")

@@ -177,6 +177,20 @@ def check(name: str, kind: str, conversation: str, tokenizer) -> str:
         with pytest.raises(FtcoreError, match="does not render tool calls"):
             render_with_spans(template, messages, tok, tools)
         return "refused: the template takes no `tool_calls`"
+    dropped = [k for k, m in enumerate(messages) if m.get("reasoning_content") and m["reasoning_content"] not in
+               render_jinja_template([messages[:k + 1]], tools=tools, chat_template=source,
+                                     **tokenizer.special_tokens_map)[0][0]]
+    if dropped:
+        # The template renders no reasoning_content, even for the turn being generated (Llama, Mistral, ...):
+        # the reasoning would vanish from training, so the row is refused (dropped_reasoning = "warn" trains it).
+        template, tok = template_for(kind, path, tokenizer)
+        with pytest.raises(FtcoreError, match="has reasoning_content, but the template does not render it"):
+            render_with_spans(template, messages, tok, tools)
+        return "refused: the template drops `reasoning_content`"
+    if name == "GLM-4.6" and messages[-1]["role"] == "assistant":
+        # GLM renders nothing after the last turn; ftcore adds the token that closes its turns in history
+        # (<|user|>, one of GLM's stop tokens), so that rows ending there teach the model to stop.
+        official += "<|user|>"
     template, tok = template_for(kind, path, tokenizer)
     text, spans = render_with_spans(template, messages, tok, tools)
     assert text == official
@@ -212,7 +226,7 @@ def test_table(tokenizer, capsys):
             except AssertionError:
                 result = "FAIL"
             cells.append("pass" if result == "pass" else "FAIL" if result == "FAIL"
-                         else "refused¹" if "takes no" in result else "refused²")
+                         else "refused¹" if "takes no" in result or "drops" in result else "refused²")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     with capsys.disabled():
         print("\n" + "\n".join(rows))

@@ -14,7 +14,8 @@ from ftcore.cli import main
 
 # Renders ChatML, and refuses any message that says "boom": a row that converts but cannot be rendered.
 TEMPLATE = ("{% for m in messages %}{% if 'boom' in m['content'] %}{{ raise_exception('no boom here') }}{% endif %}"
-            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "<|im_start|>{{ m['role'] }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+            "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
@@ -34,7 +35,8 @@ ROWS = [
     {"messages": [a("x"), a("y"), u("z")]},
     {"messages": [u("Dear {{name}}"), a("ok")]},
     {"messages": [u("boom"), a("ok")]},
-    {"messages": [{"role": "user", "content": [{"type": "text", "value": "hi"}]}, a("ok")]},
+    {"messages": [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "value": "i"}]},
+                  a("ok")]},
     {"messages": [u("Hi"), {"role": "assistant", "content": "ok", "thinking": "hm"}]},
     GOOD,
 ]
@@ -43,9 +45,9 @@ LINES = [
     "the end-of-turn token alone",
     "data/chat.jsonl:3: invalid JSON: Expecting value (column 15)",
     "data/chat.jsonl:4: 'messages[1]' is a second assistant turn in a row; merge them into one message",
-    "data/chat.jsonl:6: cannot render with the template: template 'jinja' cannot render this conversation: "
-    "no boom here",
-    "data/chat.jsonl:7: 'messages[0].content[0]' has 'value'; text parts need 'text'",
+    "data/chat.jsonl:6: cannot render with the template: template 'jinja' (t.jinja) cannot render this "
+    "conversation: no boom here",
+    "data/chat.jsonl:7: 'messages[0].content[1]' has 'value'; text parts need 'text'",
 ]
 PLACEHOLDER = ("warning: 1 row(s) hold unfilled template placeholders, trained as they are (first: "
                "data/chat.jsonl:5: 'messages[0].content' holds '{{name}}'); set placeholders = \"error\" to reject "
@@ -78,6 +80,11 @@ def project(folder: Path, tokenizer: Path | str, rows: list, source: str = "", m
                     f'path = "t.jinja"\n[data.chat]\nuse = "jsonl"\npath = "data/chat.jsonl"\n{source}\n'
                     '[[stage]]\nname = "sft"\ntrainer = "sft"\ndata = "chat"\nadapter = "full"\n')
     return plan
+
+
+@pytest.fixture(autouse=True)
+def _in_the_plans_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # messages name the template file relative to it
 
 
 def validate(capsys, plan: Path, *flags: str) -> tuple[int, list[str]]:

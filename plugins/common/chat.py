@@ -22,18 +22,18 @@ from typing import Any, Literal
 
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.common.spans import SpanError, SpanLocator
+from ftcore_plugins.common.spans import SpanError, SpanLocator, template_title
 
 IGNORE = -100
 Truncation = Literal["truncate_response", "truncate_prompt", "drop"]
 
 
 def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as chat templates expect them: keys Arrow filled with None removed, and
-    ``tool_calls`` (stored as JSON text) parsed back into a list."""
+    """Messages as chat templates expect them: keys Arrow filled with None removed, ``tool_calls``
+    (stored as JSON text) parsed back into a list, and ``weight`` (whether a turn is trained) left out."""
     out = []
     for m in messages:
-        m = {k: v for k, v in m.items() if v is not None}
+        m = {k: v for k, v in m.items() if v is not None and k != "weight"}
         if isinstance(m.get("tool_calls"), str):
             m["tool_calls"] = json.loads(m["tool_calls"])
         out.append(m)
@@ -101,6 +101,8 @@ class EncodeStats:
     dropped_too_long: int = 0
     dropped_no_labels: int = 0
     skipped_unrenderable: int = 0  # rows the template cannot render or locate turns in (on_error = "skip")
+    end_token_added: int = 0  # last turns the template leaves unclosed, closed with its end-of-turn token
+    reasoning_dropped: int = 0  # turns trained without reasoning the template does not render (warn mode)
     tokens: int = 0
     label_tokens: int = 0
     lengths: list[int] = field(default_factory=list)  # kept samples' token counts
@@ -117,12 +119,14 @@ def row_samples(row: dict, tokenizer: Any, template: Any, *, train_on_inputs: bo
         locator = locator or SpanLocator(template, tokenizer)
         if train_on_inputs:
             return [(locator.render(messages, tools), None)]
+        # Assistant turns with weight 0 (loss_weight 0) are context, not trained.
+        trained = [i for i, m in enumerate(row["messages"]) if m.get("role") == "assistant" and m.get("weight") != 0]
         if samples_mode(template) == "per_turn":
             # One sample per assistant turn, ending with it: the template renders that turn as the
             # model generates it (a thinking model's reasoning kept), and only it is trained.
-            return [locator.locate(messages[:i + 1], tools, turns={i})
-                    for i, m in enumerate(messages) if m.get("role") == "assistant"]
-        return [locator.locate(messages, tools)]
+            return [locator.locate(messages[:i + 1], tools, turns={i}) for i in trained]
+        untrained = len(trained) < sum(m.get("role") == "assistant" for m in messages)
+        return [locator.locate(messages, tools, turns=set(trained) if untrained else None)]
     if eos is None:
         eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
     if row.get("completion") is not None and isinstance(row.get("prompt"), str):
@@ -203,7 +207,7 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
     ``where``, the row and the template, or with ``on_error = "skip"`` a counted skip."""
     stats = EncodeStats()
     locator = SpanLocator(template, tokenizer)
-    template_name = getattr(template, "name", type(template).__name__)
+    named = template_title(template)
     eos = tokenizer.eos_token if add_eos_to_text and tokenizer.eos_token else ""
 
     def samples(index: int, row: dict) -> list:
@@ -218,7 +222,6 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
                    'on_error = "skip" in the data source' if isinstance(exc, SpanError) else
                    '; fix the row, or set on_error = "skip" in the data source to skip such rows')
             message = str(exc)
-            named = f"template '{template_name}'"
             message = message if message.startswith(named) else f"{named}: {message}"
             raise FtcoreError(f"{where}, row {first_row + index + 1}: {message}{fix} "
                               "(`ftcore validate --data PLAN` lists every such row with its file and line)") from None
@@ -288,6 +291,7 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
                     out = {"input_ids": [], "labels": []}
                 bar.advance(queued[2])
             queued = following
+    stats.end_token_added, stats.reasoning_dropped = locator.closed_by_us, locator.dropped_reasoning
     return out, stats
 
 

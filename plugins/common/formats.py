@@ -52,7 +52,12 @@ KIND_COLUMNS = {
 }
 INTERNAL_COLUMNS = ("messages", "tools", "prompt", "completion", "chosen", "rejected", "label", "text")
 MESSAGE_COLUMNS = ("messages", "prompt", "chosen", "rejected", "completion")  # when they hold message lists
-MESSAGE_KEYS = ("role", "content", "tool_calls", "name", "reasoning_content")
+# Every message key a chat template reads: Mistral's and Kimi's templates render a tool result's
+# `tool_call_id` (and refuse the row without it), so none is dropped when the data is read.
+MESSAGE_KEYS = ("role", "content", "tool_calls", "name", "reasoning_content", "tool_call_id", "weight")
+# `weight`: 0 on an assistant turn that is not trained (OpenAI's `weight`, LLaMA-Factory's `loss_weight`);
+# absent (null) on every other message. Templates never see it (chat.template_messages drops it).
+WEIGHT_KEYS = ("weight", "loss_weight")
 # Names reasoning arrives under: transformers' templates read `reasoning_content`, gpt-oss's `thinking`.
 REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -112,13 +117,14 @@ def _kind_of_value(value: Any) -> str:
 class _Ctx:
     """What the helpers need to write good messages: the row and the column mapping."""
 
-    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder")
+    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder", "part_tools")
 
     def __init__(self, row: Mapping, columns: Mapping[str, str], fmt: str, explicit: bool,
                  placeholders: str = "allow"):
         self.row, self.columns, self.fmt, self.explicit = row, columns, fmt, explicit
         self.placeholders = placeholders
         self.placeholder: tuple[str, str] | None = None  # (field, placeholder): the first one seen
+        self.part_tools: str | None = None  # tool schemas given as a message's "tools" part (LLaMA-Factory v1)
 
     def text(self, value: str, field: str) -> str:
         """Message text, looked at for unfilled template placeholders (``placeholders`` option)."""
@@ -195,6 +201,62 @@ def _content(value: Any, where: str, ctx: _Ctx, allow_empty: bool) -> str:
     raise ctx.wrong_type(f"{where}.content", "a string (or a list of text parts)", value)
 
 
+def _valued(parts: Any) -> bool:
+    """Content given as LLaMA-Factory v1's typed parts, ``[{"type": "text", "value": ...}, ...]``:
+    every part an object with ``value`` and none with OpenAI's ``text``."""
+    return isinstance(parts, (list, tuple)) and bool(parts) and all(
+        isinstance(p, Mapping) and "value" in p and "text" not in p for p in parts)
+
+
+def _valued_parts(parts: list, where: str, ctx: _Ctx) -> tuple[str, str | None, str | None]:
+    """LLaMA-Factory v1's content parts -> (text, reasoning, tool calls as JSON text): ``text`` parts
+    are joined, ``reasoning`` parts are the reasoning, ``tool_call``/``tool_calls`` parts (JSON of
+    ``{"name", "arguments"}``, or a list of them) the calls, a ``tools`` part the row's tool schemas."""
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict] = []
+    field = where.split("[", 1)[0]
+    for j, part in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        kind, value = part.get("type"), part.get("value")
+        if kind in ("tool_call", "tool_calls", "tools") and isinstance(value, (list, dict)):
+            value = json.dumps(value, ensure_ascii=False)
+        if not isinstance(value, str):
+            raise ctx.wrong_type(f"{at}.value", "a string", value)
+        if kind == "text":
+            texts.append(value)
+        elif kind == "reasoning":
+            reasoning.append(value)
+        elif kind in ("tool_call", "tool_calls"):
+            calls += _tool_calls(value, at, f"a {kind} part")
+        elif kind == "tools":
+            ctx.part_tools = _json_text(value, f"{at}.value", ctx)
+        else:
+            raise RowError(f"{at!r} is {'an untyped' if kind is None else f'a {kind!r}'} part; ftcore reads text, "
+                           "reasoning, tool_call and tools parts", "wrong_type", field)
+    text = ctx.text("".join(texts), f"{where}.content")
+    thought = "\n".join(r for r in reasoning if r.strip()) or None
+    return text, thought, json.dumps(calls, ensure_ascii=False) if calls else None
+
+
+def _weight(m: Mapping, where: str, role: str) -> int | None:
+    """0 for an assistant turn that is not trained (``weight`` or ``loss_weight`` 0), else None.
+    Only 0 and 1 are read: ftcore trains a turn or not."""
+    field = where.split("[", 1)[0]
+    for key in WEIGHT_KEYS:
+        value = m.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value not in (0, 1):
+            raise RowError(f"'{where}.{key}' must be 0 (not trained) or 1 (trained), got {value!r}: ftcore trains "
+                           "a turn or not", "wrong_type", field)
+        if value == 1 and role != "assistant":
+            raise RowError(f"'{where}' is a {role} turn with {key} = 1, but only assistant turns are trained (set "
+                           "train_on_inputs = true in the stage to train the whole conversation)", "wrong_type", field)
+        return 0 if value == 0 and role == "assistant" else None
+    return None
+
+
 def _text_part(part: Any, where: str, ctx: _Ctx) -> str:
     """One OpenAI content part, ``{"type": "text", "text": ...}``; the message says what is off."""
     field = where.split("[", 1)[0]
@@ -248,19 +310,21 @@ def _get_message(ctx: _Ctx, where: str) -> Mapping:
         return {}
 
 
-def _tool_calls(value: str, where: str) -> list[dict]:
-    """A ShareGPT function_call value -> OpenAI-style tool calls."""
+def _tool_calls(value: str, where: str, what: str = "a function_call turn") -> list[dict]:
+    """A ShareGPT function_call value (or LLaMA-Factory v1's tool_call part) -> OpenAI-style tool calls."""
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise RowError(f"'{where}.value' of a function_call turn must be JSON like "
+        raise RowError(f"'{where}.value' of {what} must be JSON like "
                        f"{{\"name\": ..., \"arguments\": ...}}: {exc.msg} (column {exc.colno})",
                        "wrong_type", where.split("[", 1)[0]) from None
     calls = parsed if isinstance(parsed, list) else [parsed]
     out = []
     for call in calls:
+        if isinstance(call, dict) and isinstance(call.get("function"), dict):
+            call = call["function"]  # already OpenAI-style
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            raise RowError(f"'{where}.value' of a function_call turn must hold {{\"name\": string, "
+            raise RowError(f"'{where}.value' of {what} must hold {{\"name\": string, "
                            f"\"arguments\": ...}} (or a list of them)", "wrong_type", where.split("[", 1)[0])
         out.append({"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}})
     return out
@@ -326,16 +390,27 @@ def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True,
             raise RowError(f"unknown role {role!r} in '{where}.role' (expected one of: {', '.join(ROLES)})",
                            "unknown_role", field)
         calls = _json_text(m.get("tool_calls"), f"{where}.tool_calls", ctx)
+        content, part_reasoning = m.get("content"), None
+        if _valued(content):  # LLaMA-Factory v1: typed parts holding the text, reasoning and calls
+            content, part_reasoning, part_calls = _valued_parts(content, where, ctx)
+            if part_calls is not None:
+                if calls is not None:
+                    raise RowError(f"'{where}' has tool_calls and tool_call parts; give the calls once",
+                                   "conflicting_fields", field)
+                calls = part_calls
         if calls is not None and role != "assistant":
             raise RowError(f"'{where}' has tool_calls but is a {role} turn; only assistant turns call tools",
                            "wrong_type", field)
-        reasoning = _reasoning(m, where, role, ctx)
-        message = {"role": role, "content": _content(m.get("content"), where, ctx,
+        reasoning = _reasoning({**m, "reasoning_content": m.get("reasoning_content") or part_reasoning}, where,
+                               role, ctx)
+        message = {"role": role, "content": _content(content, where, ctx,
                                                      allow_empty=calls is not None or reasoning is not None)}
         if calls is not None:
             message["tool_calls"] = calls
         if reasoning is not None:
             message["reasoning_content"] = reasoning
+        if _weight(m, where, role) == 0:
+            message["weight"] = 0
         if role == "tool":
             name = m.get("name")
             if name is not None:
@@ -344,6 +419,11 @@ def _messages(value: Any, field: str, ctx: _Ctx, *, nonempty: bool = True,
                 message["name"] = name
             elif pending_names:
                 message["name"] = pending_names.pop(0)
+            call_id = m.get("tool_call_id")
+            if call_id is not None:
+                if not isinstance(call_id, (str, int)) or isinstance(call_id, bool):
+                    raise ctx.wrong_type(f"{where}.tool_call_id", "a string", call_id)
+                message["tool_call_id"] = str(call_id)
         if calls is not None:
             pending_names = _call_names(calls)
         out.append(message)
@@ -514,7 +594,8 @@ def _alpaca(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
 
 
 def _tools(ctx: _Ctx) -> str | None:
-    return _json_text(ctx.row.get("tools"), "tools", ctx)
+    tools = _json_text(ctx.row.get("tools"), "tools", ctx)
+    return tools if tools is not None else ctx.part_tools
 
 
 def _conversation(ctx: _Ctx, field: str, answer: bool) -> tuple[list[dict], list[str]]:
@@ -651,6 +732,21 @@ CONVERTERS = {
 }
 
 
+# LLaMA-Factory v1's preference rows: whole conversations under these names (read as implicit_preference).
+FIELD_ALIASES = {"chosen_messages": "chosen", "rejected_messages": "rejected"}
+
+
+def _aliased(row: dict) -> dict:
+    """``row`` with :data:`FIELD_ALIASES` under our names, where ours are absent."""
+    if not any(k in row for k in FIELD_ALIASES):
+        return row
+    out = dict(row)
+    for theirs, ours in FIELD_ALIASES.items():
+        if theirs in out and out.get(ours) is None:
+            out[ours] = out.pop(theirs)
+    return out
+
+
 def apply_columns(row: Mapping, columns: Mapping[str, str]) -> dict:
     """Rename the file's fields to ours: ``columns`` maps our name -> the file's name. A field
     of the file that has our name but is not the mapped one gives way to the mapped one."""
@@ -686,7 +782,7 @@ def convert_found(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | N
     if not isinstance(row, Mapping):
         raise RowError(f"expected an object with fields, got {_kind_of_value(row)}", "wrong_type", None)
     columns = columns or {}
-    row = apply_columns(row, columns)
+    row = _aliased(apply_columns(row, columns))
     fmt = ALIASES.get(fmt, fmt)
     explicit = fmt != "auto"
     if not explicit:
@@ -723,8 +819,7 @@ def kind_of(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = 
 # -- batches -----------------------------------------------------------------------------------------
 
 def _full_message(m: dict) -> dict:
-    return {"role": m["role"], "content": m["content"], "tool_calls": m.get("tool_calls"), "name": m.get("name"),
-            "reasoning_content": m.get("reasoning_content")}
+    return {k: m.get(k) for k in MESSAGE_KEYS}
 
 
 def _placeholder(kind: str) -> dict:
@@ -773,7 +868,7 @@ def features(kind: str, messages_keys: Iterable[str] = MESSAGE_KEYS) -> dict:
     """``datasets`` feature types of a kind's columns (a plain dict of features)."""
     from datasets import List, Value
 
-    message = {k: Value("string") for k in messages_keys}
+    message = {k: Value("int8") if k == "weight" else Value("string") for k in messages_keys}
     string = Value("string")
     return {
         "chat": {"messages": List(message), "tools": string},

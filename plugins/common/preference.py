@@ -15,6 +15,8 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.spans import template_title
+
 PAIRS = "preference pairs (prompt, chosen, rejected)"
 UNPAIRED = "unpaired preference rows (prompt, completion, label)"
 # A data source's `format` and the kind of rows it gives (prompt_completion can give either kind).
@@ -68,7 +70,7 @@ def render(ctx: Any, data: Any, *, strip_bos: bool) -> Any:
         for column in answers:
             full = template.render(prompt + template_messages(row[column]), tok, add_generation_prompt=False)
             if not full.startswith(text):
-                raise FtcoreError(f"stage {ctx.stage}: template '{template.name}' renders the prompt differently "
+                raise FtcoreError(f"stage {ctx.stage}: {template_title(template)} renders the prompt differently "
                                   "when an answer follows it, so the answer cannot be cut from the prompt")
             out[column] = full[len(text):].rstrip("\n ")  # ends with the end-of-turn token, like the SFT labels
         if bos and text.startswith(bos):

@@ -35,7 +35,7 @@ from ftcore.memory import MappedPages
 
 from ftcore_plugins.common.chat import Truncation, encode
 
-DATA_LAYER_VERSION = 4  # bump when tokenization, masking or the entry's layout changes
+DATA_LAYER_VERSION = 5  # bump when tokenization, masking or the entry's layout changes
 SHARD_ROWS = 50_000  # rows per shard: what an interrupted preparation resumes from
 # Rows per Arrow record batch of the files ftcore writes or has datasets write. Opening a file
 # reads every batch's header, and the kernel maps 64 KB of the file around each: at datasets'
@@ -47,7 +47,7 @@ ARROW_BATCH_BYTES = 64 * 2**20  # and no more than this in memory at a time (lon
 ARROW_PAGES = MappedPages(lambda path: path.endswith(".arrow"))
 SHARD_NAME = re.compile(r"\d{5}\.arrow")
 COUNTS = ("rows", "samples", "kept", "truncated", "dropped_too_long", "dropped_no_labels", "skipped_unrenderable",
-          "tokens", "label_tokens")
+          "tokens", "label_tokens", "end_token_added", "reasoning_dropped")
 
 _PROBE = [
     {"role": "system", "content": "S"},
@@ -113,6 +113,41 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
             truncation: Truncation = "truncate_response", train_on_inputs: bool = False,
             add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
             use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
+    """The rows tokenized and masked (cached); what the template could not do for them is warned
+    about once, with the counts (cached entries too): see :func:`template_notes`."""
+    prepared = _prepare(rows, tokenizer, template, max_length=max_length, truncation=truncation,
+                        train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text, reporter=reporter,
+                        description=description, use_cache=use_cache, on_error=on_error, where=where)
+    if reporter is not None:
+        for note in template_notes(prepared.stats, template, tokenizer):
+            reporter.warn(f"{where}: {note}")
+    return prepared
+
+
+def template_notes(stats: dict, template: Any, tokenizer: Any) -> list[str]:
+    """One line for each thing the rows needed that the template does not do: turns it leaves
+    unclosed (the end-of-turn token added), reasoning it does not render (``dropped_reasoning = "warn"``)."""
+    from ftcore_plugins.common.spans import SpanLocator, template_title
+
+    notes, title = [], template_title(template)
+    if stats.get("end_token_added"):
+        token = SpanLocator(template, tokenizer).closing_token()
+        declared = [str(t) for t in getattr(template, "stop_tokens", ()) or ()]
+        notes.append(f"{title} renders no end-of-turn token after a conversation's last turn; {token!r} was added "
+                     f"after {stats['end_token_added']:,} such turn(s) and trained, so that the model learns to stop"
+                     + ("" if token in declared else f"; declare it with [template] stop_tokens = [{token!r}] so that "
+                        "generation stops there too"))
+    if stats.get("reasoning_dropped"):
+        notes.append(f"{title} does not render reasoning_content: {stats['reasoning_dropped']:,} assistant turn(s) "
+                     "are trained without their reasoning (dropped_reasoning = \"warn\"); use a template that renders "
+                     "it (e.g. \"native\" with a reasoning model) to train it")
+    return notes
+
+
+def _prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
+             truncation: Truncation = "truncate_response", train_on_inputs: bool = False,
+             add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
+             use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
     quiet_library_progress_bars()
     options = {"max_length": max_length, "truncation": truncation, "train_on_inputs": train_on_inputs,
                "add_eos_to_text": add_eos_to_text, "on_error": on_error}
@@ -266,7 +301,7 @@ def merged_stats(work: Path, shards: int) -> dict:
     for shard in range(shards):
         counts = json.loads((work / f"{shard:05d}.json").read_text())
         for k in COUNTS:
-            out[k] += counts[k]
+            out[k] += counts.get(k, 0)
         lengths.append(np.load(work / f"{shard:05d}.lengths.npy"))
     ordered = np.sort(np.concatenate(lengths))
     if len(ordered):

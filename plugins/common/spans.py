@@ -37,6 +37,15 @@ MARKS = re.compile("[\U000F0000-\U000FFFFD]")
 MARKUP = r"<\|[^<>|\s]+\|?>|<[^<>|\s]+\|>|<｜[^<>｜]+｜>|</s>|<eos>|<end_of_turn>|\[/?[A-Z_]+\]"
 
 
+def template_title(template: Any) -> str:
+    """How messages name a template: ``template 'chatml'``; a template read from a file names the
+    file (``template 'jinja' (templates/r7b.jinja)``)."""
+    title = getattr(template, "title", None)
+    if isinstance(title, str) and title:
+        return title
+    return f"template '{getattr(template, 'name', None) or type(template).__name__}'"
+
+
 class SpanError(FtcoreError):
     """An assistant turn that cannot be located in the template's rendering."""
 
@@ -47,6 +56,7 @@ class SpanLocator:
     def __init__(self, template: Any, tokenizer: Any):
         self.template, self.tokenizer = template, tokenizer
         self.name = getattr(template, "name", type(template).__name__)
+        self.title = template_title(template)
         specials = [str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])]
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         # Added tokens marked special; Qwen's <tool_call> is added but not special, and closes no turn.
@@ -54,7 +64,12 @@ class SpanLocator:
         specials = sorted({t for t in specials if t and not t.isspace()}, key=len, reverse=True)
         self.token = re.compile("|".join([*(re.escape(t) for t in specials), MARKUP]))
         self._ends: dict[bool, list[str]] = {}
+        self._closing: dict[bool, str | None] = {}
+        self._always_header: bool | None = None
         self._headers: dict[tuple[str, bool], str] = {}  # previous role -> generation prompt tail seen
+        # Rows handled as the template cannot: counted for the data report.
+        self.closed_by_us = 0  # last turns the template leaves unclosed, closed with closing_token()
+        self.dropped_reasoning = 0  # turns trained without the reasoning the template does not render
 
     # -- rendering -----------------------------------------------------------------------------
 
@@ -65,7 +80,7 @@ class SpanLocator:
             except TypeError as exc:
                 if "tools" not in str(exc):
                     raise
-                raise FtcoreError(f"template '{self.name}' does not take tool schemas (this row has 'tools'); "
+                raise FtcoreError(f"{self.title} does not take tool schemas (this row has 'tools'); "
                                   "use a template that renders tools, e.g. \"native\" or a \"jinja\" file") from None
         return self.template.render(messages, self.tokenizer, add_generation_prompt=generation)
 
@@ -97,20 +112,57 @@ class SpanLocator:
         for i in wanted:
             content_end = positions.get(i)
             start = self._start(messages, tools, i, text, positions, marked_ids, bound, content_end)
-            end = self._end(messages, tools, i, text, positions, start, content_end)
+            end, closed = self._end(messages, tools, i, text, positions, start, content_end)
             for name in _called(messages[i]):
                 if name not in text[start:end]:
                     raise SpanError(f"assistant turn {i} (message {i}) calls the tool {name!r}, but the template "
                                     "does not render tool calls, so the call would be dropped from training; use "
                                     "a template that renders them (e.g. \"native\" with a tool-calling model)")
+            self._check_reasoning(messages, tools, i, text[start:end])
+            if not closed and i == len(messages) - 1:
+                # The template renders nothing after the conversation's last turn (GLM): the model would
+                # never learn to stop on rows that end here. The token that closes its turns is added.
+                closing = self.closing_token(bool(tools))
+                if closing:
+                    text = text[:end] + closing + text[end:]
+                    end += len(closing)
+                    self.closed_by_us += 1
             spans.append((start, end))
             bound = end
         return text, spans
 
+    # -- reasoning --------------------------------------------------------------------------------
+
+    def _check_reasoning(self, messages: list[dict], tools: list | None, i: int, turn: str) -> None:
+        """A turn's ``reasoning_content`` that the template does not render: refused, or with
+        ``[template] dropped_reasoning = "warn"`` counted (``dropped_reasoning``) and trained without
+        it. A template that drops the reasoning of earlier turns only (Qwen3 renders it for the
+        turn being generated) keeps it where it matters: ``samples = "per_turn"`` trains it."""
+        reasoning = messages[i].get("reasoning_content")
+        if not isinstance(reasoning, str) or not reasoning.strip() or reasoning.strip() in turn:
+            return
+        if i < len(messages) - 1 and reasoning.strip() in self.render(messages[:i + 1], tools):
+            return  # rendered when the turn is the last one: the template drops it from history only
+        if _option(self.template, "dropped_reasoning", "error") == "warn":
+            self.dropped_reasoning += 1
+            return
+        raise SpanError(f"assistant turn {i} (message {i}) has reasoning_content, but the template does not render "
+                        "it, so the answer would be trained without its reasoning; use a template that renders "
+                        "reasoning (e.g. \"native\" with a reasoning model), or set [template] dropped_reasoning = "
+                        "\"warn\" to train the answers without it")
+
     def _start(self, messages, tools, i, text, positions, marked_ids, bound, content_end) -> int:
-        limit = content_end if content_end is not None else len(text)
         prev = i - 1
         anchor = positions.get(prev)
+        if content_end is not None:
+            limit = content_end
+        else:
+            # A turn with no marker (a tool call with empty content): its header comes before the
+            # next marked message's content, so the search stops there and never runs on to a
+            # later turn's header.
+            since = max(bound, anchor if anchor is not None else 0)
+            later = [p for j, p in positions.items() if j > i and p > since]
+            limit = min(later) if later else len(text)
         role = messages[prev].get("role", "") if prev >= 0 else ""
         if anchor is not None and anchor >= bound:
             seen = self._headers.get((role, bool(tools)))
@@ -137,6 +189,14 @@ class SpanLocator:
             found = text.find(candidate, since, limit)
             if found >= 0:
                 return found + len(candidate)
+        # The generation prompt adds nothing (Command R7B renders the next assistant header after every
+        # conversation, asked or not), or this answer goes on in the block of the tool result before it
+        # (Apertus: call, tool output and answer in one assistant block): the turn starts where the
+        # conversation rendered up to the previous message stops matching this one.
+        if prefix and (not generation.strip() or role == "tool"):
+            cut = _common_prefix(without, text)
+            if since <= cut <= limit and cut == len(without):
+                return cut
         raise SpanError(f"assistant turn {i} (message {i}): its header, the template's generation prompt "
                         f"{generation!r}, is not in the rendered conversation")
 
@@ -147,27 +207,54 @@ class SpanLocator:
             raise SpanError("the conversation starts with an assistant turn, and the template cannot render a "
                             "generation prompt for an empty conversation to locate it") from None
 
-    def _end(self, messages, tools, i, text, positions, start, content_end) -> int:
+    def _end(self, messages, tools, i, text, positions, start, content_end) -> tuple[int, bool]:
+        """Where turn ``i`` ends, and whether an end-of-turn token (or the markup of the message after
+        it) closes it; ``False``: the template renders nothing after it."""
         after = max(start, content_end if content_end is not None else start)
         later = [p for j, p in positions.items() if j > i and p >= after]
         limit = min(later) if later else len(text)
+        ends = self.end_tokens(bool(tools))
         best = None
-        for token in self.end_tokens(bool(tools)):
+        for token in ends:
             found = text.find(token, after, limit)
             if found >= 0 and (best is None or found < best[0]):
                 best = (found, found + len(token))
         if best is not None:
-            return best[1]
+            end = best[1]
+            # A closing of several end tokens in a row (Command R7B's <|END_RESPONSE|><|END_OF_TURN_TOKEN|>):
+            # the model generates them all before it stops.
+            while (following := next((t for t in ends if text.startswith(t, end)), None)) is not None:
+                end += len(following)
+            return end, True
+        if i < len(messages) - 1:
+            # Followed by another message, with no end-of-turn token between (a tool call whose result
+            # goes on in the same assistant block, as Apertus renders it): the turn is what the template
+            # renders when it ends the conversation, and the markup right after it, if any (GLM's
+            # <|observation|> after a tool call, which the model generates to stop).
+            cut = self._alone(messages, tools, i, text)
+            if cut is not None and after <= cut <= limit:
+                gap = len(text[cut:limit]) - len(text[cut:limit].lstrip())
+                following = self.token.match(text, cut + gap, limit)
+                return (following.end(), True) if following is not None else (cut, True)
         following = self.token.search(text, after, limit)
         if following is not None and later:
             # No declared end, but the turn is followed by another message: the markup that
             # starts it ends this turn (GLM's <|observation|> after a tool call).
-            return following.end()
+            return following.end(), True
         if not text[after:limit].strip():
-            return after  # a template that closes turns with nothing (GLM's last turn)
+            return after, False  # a template that closes turns with nothing (GLM's last turn)
         raise SpanError(f"assistant turn {i} (message {i}): no end-of-turn token "
-                        f"({', '.join(map(repr, self.end_tokens(bool(tools)))) or 'none known'}) follows it; "
+                        f"({', '.join(map(repr, ends)) or 'none known'}) follows it; "
                         "declare the template's end-of-turn token with [template] stop_tokens")
+
+    def _alone(self, messages, tools, i, text) -> int | None:
+        """Where the conversation rendered up to turn ``i`` (as its last message) ends in the whole
+        conversation ``text``; None when that rendering is not a start of it."""
+        try:
+            alone = self.render(messages[:i + 1], tools)
+        except Exception:
+            return None
+        return len(alone) if text.startswith(alone) else None
 
     def _prefixes(self, header: str) -> list[str]:
         """``header``, then its prefixes that end at a token, a line or a closing bracket, longest
@@ -188,14 +275,39 @@ class SpanLocator:
             return self._ends[tools]
         declared = [str(t) for t in getattr(self.template, "stop_tokens", ()) or ()]
         eos = getattr(self.tokenizer, "eos_token", None)
-        ends = list(dict.fromkeys([*declared, *self._probe(), *([str(eos)] if eos else [])]))
+        ends = list(dict.fromkeys([*declared, *self._probe(tools), *([str(eos)] if eos else [])]))
         self._ends[tools] = ends
         return ends
 
-    def _probe(self) -> list[str]:
+    def closing_token(self, tools: bool = False) -> str | None:
+        """The token to add after a last turn the template leaves unclosed: the declared end of turn,
+        else the markup the template closes an assistant turn with when a user turn follows (GLM's
+        <|user|>), else the tokenizer's EOS."""
+        declared = [str(t) for t in getattr(self.template, "stop_tokens", ()) or ()]
+        if declared:
+            return declared[0]
+        self.end_tokens(tools)  # probes the template
+        eos = getattr(self.tokenizer, "eos_token", None)
+        return self._closing.get(tools) or (str(eos) if eos else None)
+
+    def always_header(self) -> bool:
+        """Whether the template renders the next assistant header after every conversation, asked
+        for a generation prompt or not (Command R7B): then it ends every rendering, after the last
+        turn's closing too."""
+        if self._always_header is None:
+            probe = [{"role": "user", "content": chr(LAST_MARK)}]
+            try:
+                self._always_header = self.render(probe, None, generation=True) == self.render(probe, None)
+            except Exception:
+                self._always_header = False
+        return self._always_header
+
+    def _probe(self, with_tools: bool = False) -> list[str]:
         """End-of-turn tokens as the template renders them: the markup closing an assistant turn
         that ends the conversation (its last token), one followed by a user turn (its first), and
-        a tool call that ends the conversation (its last token)."""
+        a tool call that ends the conversation (its last token). A template that renders the next
+        header after every conversation puts that header last: then the first token counts."""
+        always = self.always_header()
         u, a, u2 = (chr(LAST_MARK - k) for k in range(3))
         call = {"type": "function", "function": {"name": "ftcore_probe", "arguments": {"q": a}}}
         tool = {"type": "function", "function": {"name": "ftcore_probe", "description": "probe",
@@ -219,7 +331,9 @@ class SpanLocator:
             tail = rendered.split(a, 1)[-1].split(u2, 1)[0]
             tokens = list(self.token.finditer(tail))
             if tokens:
-                found.append((tokens[-1] if last else tokens[0]).group())
+                found.append((tokens[-1] if last and not always else tokens[0]).group())
+                if not last:
+                    self._closing[with_tools] = tokens[0].group()
         return list(dict.fromkeys(found))
 
 
@@ -257,8 +371,19 @@ def _positions(marked: str) -> dict[int, int]:
 
 
 def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (by bisection: slices compare in C)."""
     n = min(len(a), len(b))
-    k = 0
-    while k < n and a[k] == b[k]:
-        k += 1
-    return k
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1  # a[:lo] == b[:lo]; a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _option(template: Any, name: str, default: Any) -> Any:
+    return getattr(getattr(template, "options", None), name, default)

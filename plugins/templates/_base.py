@@ -21,6 +21,7 @@ from pydantic import Field
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.spans import template_title
 from ftcore_plugins.common.tokens import add_special_tokens, set_end_of_turn
 
 # Jinja run before a family's own template when ``system = "merge"``: a first system
@@ -50,6 +51,10 @@ class TemplateOptions(Options):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra variables for the Jinja template, as ``apply_chat_template(**kwargs)`` passes them,
     e.g. ``{ enable_thinking = false }`` for Qwen3's no-think mode."""
+    dropped_reasoning: Literal["error", "warn"] = "error"
+    """An assistant turn's ``reasoning_content`` that the template does not render (not even for
+    the turn being generated): ``error`` refuses the row, as a dropped tool call is refused;
+    ``warn`` trains the answer without it and warns once with the count."""
 
 
 class NoSystemOptions(TemplateOptions):
@@ -105,21 +110,21 @@ class JinjaTemplate(Component):
         messages = list(messages)
         if not self.system_role:
             self._check_system(messages)
-        return render_jinja(self.name, self.chat_template(), messages, tokenizer, add_generation_prompt, tools,
-                            {**template_kwargs(self), **{k: v for k, v in (("bos_token", self.bos_token),
-                                                                          ("eos_token", self.eos_token))
-                                                         if v is not None and _token(tokenizer, k) is None}})
+        defaults = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token))
+                    if v is not None and _token(tokenizer, k) is None}
+        return render_jinja(template_title(self), self.chat_template(), messages, tokenizer, add_generation_prompt,
+                            tools, {**template_kwargs(self), **defaults})
 
     def _check_system(self, messages: list[dict]) -> None:
         for i, message in enumerate(messages):
             if message.get("role") != "system":
                 continue
             if i > 0:
-                raise FtcoreError(f"template '{self.name}' has no system role, and message {i} is a system message "
+                raise FtcoreError(f"{template_title(self)} has no system role, and message {i} is a system message "
                                   "after the start of the conversation; only a first system message can be merged "
                                   "into the first user turn")
             if getattr(self.options, "system", "error") != "merge":
-                raise FtcoreError(f"template '{self.name}' has no system role, and this conversation starts with a "
+                raise FtcoreError(f"{template_title(self)} has no system role, and this conversation starts with a "
                                   'system message; set system = "merge" in [template] to prepend it to the first '
                                   "user turn")
 
@@ -154,12 +159,15 @@ def template_kwargs(template: Any) -> dict[str, Any]:
 def render_jinja(name: str, template: str | None, messages: list[dict], tokenizer: Any,
                  add_generation_prompt: bool, tools: list[dict] | None, variables: dict[str, Any]) -> str:
     """Render ``messages`` with a Jinja chat template as transformers does (``template`` None: the
-    tokenizer's own), ``tools`` passed as ``apply_chat_template(tools=...)`` passes them."""
+    tokenizer's own), ``tools`` passed as ``apply_chat_template(tools=...)`` passes them. ``name``:
+    the template's name, or how messages name it (:func:`template_title`)."""
     import jinja2  # transformers renders chat templates with it
+
+    title = name if name.startswith("template ") else f"template '{name}'"
 
     source = template if template is not None else getattr(tokenizer, "chat_template", None)
     if tools and isinstance(source, str) and "tools" not in source:
-        raise FtcoreError(f"template '{name}' does not render tool schemas, and this conversation has 'tools'; "
+        raise FtcoreError(f"{title} does not render tool schemas, and this conversation has 'tools'; "
                           "use a template that does (e.g. \"native\" with a tool-calling model's tokenizer)")
     try:
         if tokenizer is not None and messages:
@@ -175,7 +183,7 @@ def render_jinja(name: str, template: str | None, messages: list[dict], tokenize
         return rendered[0]
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
         # raise_exception in the template, undefined values, a template that needs what the row lacks
-        raise FtcoreError(f"template '{name}' cannot render this conversation: {_one_line(exc)}") from exc
+        raise FtcoreError(f"{title} cannot render this conversation: {_one_line(exc)}") from exc
 
 
 def _token(tokenizer: Any, key: str) -> str | None:

@@ -28,6 +28,16 @@ class JinjaFileTemplate(JinjaTemplate):
         self.special_tokens = tuple(self.options.special_tokens)
 
     @property
+    def title(self) -> str:
+        """How messages name this template: by its file (relative to the working folder when inside it)."""
+        path = Path(self.options.path)
+        try:
+            shown = path.resolve().relative_to(Path.cwd().resolve())
+        except (ValueError, OSError):
+            shown = path
+        return f"template '{self.name}' ({shown})"
+
+    @property
     def template(self) -> str:  # read, and checked, on first use
         if self._text is None:
             text, problem = self._read()

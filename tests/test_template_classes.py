@@ -1,0 +1,319 @@
+"""Kinds of chat templates that real models ship and that span location once refused (issue 30,
+section 2), each as a template written here that behaves like the family:
+
+* a tool-call turn with empty content, where the generation prompt opens more than the history
+  renders (Qwen3's no-think mode writes an empty think block in the prompt, not before a call);
+* the next assistant header rendered after every conversation, asked for or not (Cohere's
+  Command R7B), with tool results the template escapes;
+* an answer that goes on in the assistant block of the tool result before it (Swiss AI's Apertus);
+* nothing rendered after the conversation's last turn (GLM), so the end-of-turn token is added;
+* reasoning the template does not render (refused, or counted with ``dropped_reasoning = "warn"``);
+* ``mistral-v3`` rows with tool results, whose ``tool_call_id`` the data layer must keep.
+
+For each, the trained characters are compared with a description of the format written by hand
+(what the model generates for each turn, literally), and a tiny model trains on such rows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftcore.errors import FtcoreError
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = {"id": "abc123XYZ", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def u(text):
+    return {"role": "user", "content": text}
+
+
+def a(text, **extra):
+    return {"role": "assistant", "content": text, **extra}
+
+
+def tool(text):
+    return {"role": "tool", "tool_call_id": "abc123XYZ", "name": "get_weather", "content": text}
+
+
+SINGLE = [u("Hi there"), a("Hello!")]
+MULTI = [u("One?"), a("First."), u("Two?"), a("Second.")]
+WEATHER = [u("Weather in Paris?"), a("", tool_calls=[CALL]), tool("21C"), a("It is 21C in Paris.")]
+
+# Qwen3 in no-think mode, reduced: the generation prompt ends with an empty think block, which the
+# history renders before an answer but not before a tool call with no content.
+NO_THINK = (
+    "{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | map(attribute='function.name') | join(', ')) + "
+    "'<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if m.content %}{{- '<think>\\n\\n</think>\\n\\n' + m.content }}{%- endif %}"
+    "{%- for c in m.tool_calls or [] %}{{- '<tool_call>' + c.function.name + ' ' + (c.function.arguments | tojson)"
+    " + '</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+
+# Command R7B, reduced: every rendering ends with the chatbot header; tool results are escaped (tojson
+# with ensure_ascii), so only assistant turns can be marked.
+ALWAYS_HEADER = (
+    "{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are Command.' }}"
+    "{%- if tools %}{{- ' Tools: ' + (tools | map(attribute='function.name') | join(', ')) }}{%- endif %}"
+    "{{- '<|END_OF_TURN_TOKEN|>' }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}"
+    "{%- elif m.role == 'system' %}{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + m.content + "
+    "'<|END_OF_TURN_TOKEN|>' }}"
+    "{%- elif m.role == 'assistant' %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}"
+    "{%- if m.tool_calls %}{{- '<|START_ACTION|>[' }}{%- for c in m.tool_calls %}{{- '{\"tool_name\": \"' + "
+    "c.function.name + '\", \"parameters\": ' + (c.function.arguments | tojson) + '}' }}{%- endfor %}"
+    "{{- ']<|END_ACTION|>' }}"
+    "{%- else %}{{- '<|START_RESPONSE|>' + m.content + '<|END_RESPONSE|>' }}{%- endif %}"
+    "{{- '<|END_OF_TURN_TOKEN|>' }}"
+    "{%- else %}{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>' + (m.content | tojson(true)) + "
+    "'<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>' }}{%- endif %}"
+    "{%- endfor %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}")
+
+# Apertus, reduced: the call, the tool's output and the answer are one assistant block; the generation
+# prompt always opens a new block.
+ONE_BLOCK = (
+    "{{- '<|system_start|>You are Apertus.' }}"
+    "{%- if tools %}{{- ' Tools: ' + (tools | map(attribute='function.name') | join(', ')) }}{%- endif %}"
+    "{{- '<|system_end|>' }}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}{{- '<|user_start|>' + m.content + '<|user_end|>' }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|assistant_start|>' }}{%- endif %}"
+    "{{- m.content }}"
+    "{%- if m.tool_calls %}{{- '<|tools_prefix|>[' }}{%- for c in m.tool_calls %}{{- '{\"' + c.function.name + "
+    "'\": ' + (c.function.arguments | tojson) + '}' }}{%- endfor %}{{- ']<|tools_suffix|>' }}"
+    "{%- else %}{{- '<|assistant_end|>' }}{%- endif %}"
+    "{%- elif m.role == 'tool' %}{{- '[' + (m.content | tojson(true)) + ']' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant_start|>' }}{%- endif %}")
+
+# GLM, reduced: a role token opens each message and nothing closes one; the next message's token ends a
+# turn (<|observation|> after a tool call), and nothing follows the conversation's last turn.
+UNCLOSED = (
+    "{{- '[gMASK]' }}{%- if tools %}{{- '<|system|>\\nTools: ' + (tools | map(attribute='function.name') | "
+    "join(', ')) }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}{{- '<|observation|>\\n' + m.content }}"
+    "{%- else %}{{- '<|' + m.role + '|>\\n' + m.content }}"
+    "{%- for c in m.tool_calls or [] %}{{- '<tool_call>' + c.function.name + '</tool_call>' }}{%- endfor %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}")
+
+# name -> (template text, [template] options, {conversation: the characters trained, by hand})
+CLASSES = {
+    "no-think": (NO_THINK, {"stop_tokens": ["<|im_end|>"], "special_tokens": ["<|im_start|>"]}, {
+        "single": ["Hello!<|im_end|>"],
+        "weather": ['<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>', "It is 21C in Paris.<|im_end|>"],
+    }),
+    "always-header": (ALWAYS_HEADER, {"stop_tokens": ["<|END_OF_TURN_TOKEN|>"], "special_tokens": [
+        "<|START_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_ACTION|>",
+        "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]}, {
+        "single": ["<|START_RESPONSE|>Hello!<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
+        "multi": ["<|START_RESPONSE|>First.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
+                  "<|START_RESPONSE|>Second.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
+        "weather": ['<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>'
+                    "<|END_OF_TURN_TOKEN|>",
+                    "<|START_RESPONSE|>It is 21C in Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
+    }),
+    "one-block": (ONE_BLOCK, {"special_tokens": [
+        "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
+        "<|assistant_end|>", "<|tools_prefix|>", "<|tools_suffix|>"]}, {
+        "single": ["Hello!<|assistant_end|>"],
+        "multi": ["First.<|assistant_end|>", "Second.<|assistant_end|>"],
+        "weather": ['<|tools_prefix|>[{"get_weather": {"city": "Paris"}}]<|tools_suffix|>',
+                    "It is 21C in Paris.<|assistant_end|>"],
+    }),
+    "unclosed": (UNCLOSED, {"special_tokens": ["[gMASK]", "<|system|>", "<|user|>", "<|assistant|>",
+                                               "<|observation|>"]}, {
+        "single": ["Hello!<|user|>"],
+        "multi": ["First.<|user|>", "Second.<|user|>"],
+        "weather": ["<tool_call>get_weather</tool_call><|observation|>", "It is 21C in Paris.<|user|>"],
+    }),
+}
+CONVERSATIONS = {"single": (SINGLE, None), "multi": (MULTI, None), "weather": (WEATHER, TOOLS)}
+
+
+def jinja(tmp_path, text: str, **options):
+    from ftcore_plugins.templates.jinja import JinjaFileTemplate
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(text, encoding="utf-8")
+    return JinjaFileTemplate(JinjaFileTemplate.Options(path=str(path), **options))
+
+
+def trained(template, messages, tools=None, tokenizer=None) -> tuple[str, list[str]]:
+    from ftcore_plugins.common.chat import render_with_spans
+
+    text, spans = render_with_spans(template, messages, tokenizer, tools)
+    return text, [text[i:j] for i, j in spans]
+
+
+@pytest.mark.parametrize("name", list(CLASSES))
+def test_the_trained_characters_are_the_formats_assistant_parts(name, tmp_path):
+    text, options, expected = CLASSES[name]
+    template = jinja(tmp_path, text, **options)
+    for conversation, parts in expected.items():
+        messages, tools = CONVERSATIONS[conversation]
+        assert trained(template, messages, tools)[1] == parts, (name, conversation)
+
+
+def test_the_empty_tool_call_turn_no_longer_runs_on_to_the_answers_header(tmp_path):
+    """Before: the header search for the call (no content, so no marker) ran on to the answer's header."""
+    template = jinja(tmp_path, NO_THINK, stop_tokens=["<|im_end|>"])
+    text, parts = trained(template, WEATHER, TOOLS)
+    call = text.index("<tool_call>")
+    assert text[call - len("<|im_start|>assistant\n"):call] == "<|im_start|>assistant\n"  # the call's own header
+    assert parts[0].startswith("<tool_call>") and "It is" not in parts[0]
+
+
+def test_a_template_that_always_renders_the_next_header_trains_only_the_answers(tmp_path):
+    template = jinja(tmp_path, ALWAYS_HEADER, stop_tokens=["<|END_OF_TURN_TOKEN|>"])
+    text, parts = trained(template, SINGLE)
+    assert text.endswith("<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")  # the next header, untrained
+    assert "".join(parts) == text[text.index("<|START_RESPONSE|>"):-len("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")]
+    # Without a declared end of turn, the tokens the template closes turns with are found (first ones).
+    text, parts = trained(jinja(tmp_path, ALWAYS_HEADER), WEATHER, TOOLS)
+    assert parts == ['<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>',
+                     "<|START_RESPONSE|>It is 21C in Paris.<|END_RESPONSE|>"]
+
+
+def test_unclosed_last_turns_get_the_closing_token_and_the_data_report_counts_them(tmp_path, monkeypatch):
+    import datasets
+
+    from ftcore.testing import RecordingReporter
+    from ftcore_plugins.common.chat import encode
+    from ftcore_plugins.common.prepare import prepare
+
+    monkeypatch.chdir(tmp_path)  # messages name the template file relative to the working folder
+    template = jinja(tmp_path, UNCLOSED)
+    text, parts = trained(template, SINGLE)
+    assert text == "[gMASK]<|user|>\nHi there<|assistant|>\nHello!<|user|>" and parts == ["Hello!<|user|>"]
+    # A declared end of turn is what is added.
+    assert trained(jinja(tmp_path, UNCLOSED, stop_tokens=["<|endoftext|>"]), SINGLE)[1] == ["Hello!<|endoftext|>"]
+    rows = datasets.Dataset.from_list([{"messages": SINGLE}, {"messages": MULTI}])
+    tok = _tokenizer(tmp_path)
+    _, stats = encode(rows, tok, template, max_length=None)
+    assert stats.end_token_added == 2
+    reporter = RecordingReporter()
+    prepared = prepare(rows, tok, template, max_length=None, reporter=reporter, use_cache=False, where="data.chat")
+    assert prepared.stats["end_token_added"] == 2
+    assert reporter.warnings == [
+        "data.chat: template 'jinja' (chat.jinja) renders no end-of-turn token after a conversation's last turn; "
+        "'<|user|>' was added after 2 such turn(s) and trained, so that the model learns to stop; declare it with "
+        "[template] stop_tokens = ['<|user|>'] so that generation stops there too"]
+
+
+def test_reasoning_the_template_does_not_render_is_refused_or_counted(tmp_path):
+    import datasets
+
+    from ftcore_plugins.common.chat import encode
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+
+    rows = datasets.Dataset.from_list([{"messages": [u("Hi"), a("Hello.", reasoning_content="Greet back.")]},
+                                       {"messages": SINGLE}])
+    tok = _tokenizer(tmp_path)
+    with pytest.raises(FtcoreError) as refused:
+        encode(rows, tok, ChatMLTemplate(), max_length=None, where="data.chat (chat.jsonl)")
+    assert str(refused.value).startswith(
+        "data.chat (chat.jsonl), row 1: template 'chatml': assistant turn 1 (message 1) has reasoning_content, but "
+        "the template does not render it, so the answer would be trained without its reasoning; use a template "
+        "that renders reasoning")
+    _, stats = encode(rows, tok, ChatMLTemplate(ChatMLTemplate.Options(dropped_reasoning="warn")), max_length=None)
+    assert (stats.kept, stats.reasoning_dropped) == (2, 1)
+    # A template that renders reasoning only for the turn being generated (Qwen3) drops it from history by
+    # design: the conversation trains, and samples = "per_turn" trains every turn's reasoning.
+    history = (
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.reasoning_content and loop.last %}{{- '<think>' + m.reasoning_content + '</think>' }}{%- endif %}"
+        "{{- m.content + '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    conversation = [u("One?"), a("First.", reasoning_content="r1"), u("Two?"), a("Second.", reasoning_content="r2")]
+    assert trained(jinja(tmp_path, history), conversation)[1] == ["First.<|im_end|>",
+                                                                  "<think>r2</think>Second.<|im_end|>"]
+
+
+def test_a_refusal_names_the_template_file(tmp_path, monkeypatch):
+    import datasets
+
+    from ftcore_plugins.common.chat import encode
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "templates").mkdir()
+    path = tmp_path / "templates" / "strict.jinja"
+    path.write_text("{{ raise_exception('no') }}", encoding="utf-8")
+    from ftcore_plugins.templates.jinja import JinjaFileTemplate
+
+    template = JinjaFileTemplate(JinjaFileTemplate.Options(path=str(path)))
+    with pytest.raises(FtcoreError) as refused:
+        encode(datasets.Dataset.from_list([{"messages": SINGLE}]), _tokenizer(tmp_path), template, max_length=None,
+               where="data.chat")
+    assert str(refused.value).startswith("data.chat, row 1: template 'jinja' (templates/strict.jinja) cannot render "
+                                         "this conversation: no")
+
+
+def test_mistral_v3_keeps_tool_call_ids_from_the_file_and_trains_calls_and_answers(tmp_path):
+    """The data layer keeps `tool_call_id` (before, it was dropped and every row with a tool result was refused:
+    "Tool call IDs should be alphanumeric strings with length 9!")."""
+    from test_sources import load_data
+
+    from ftcore_plugins.common.chat import render_with_spans, row_tools
+    from ftcore_plugins.templates.mistral_v3 import MistralV3Template
+
+    (tmp_path / "tools.jsonl").write_text(json.dumps({"messages": WEATHER, "tools": TOOLS}) + "\n" +
+                                          json.dumps({"messages": SINGLE}) + "\n", encoding="utf-8")
+    rows = load_data(tmp_path, 'use = "jsonl"\npath = "tools.jsonl"\n', "chat").ds
+    row = rows[0]
+    assert row["messages"][2]["tool_call_id"] == "abc123XYZ"
+    text, spans = render_with_spans(MistralV3Template(), row["messages"], None, row_tools(row))
+    assert '"call_id": "abc123XYZ"' in text
+    assert [text[i:j] for i, j in spans] == [
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abc123XYZ"}]</s>',
+        " It is 21C in Paris.</s>"]
+
+
+def _tokenizer(tmp_path):
+    """A small BPE tokenizer whose special tokens include every template's markers above."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    markers = sorted({t for _, options, _ in CLASSES.values() for t in options.get("special_tokens", [])} |
+                     {"<|im_end|>", "<|END_OF_TURN_TOKEN|>", "<|endoftext|>"})
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["Hello there, how are you? It is 21C in Paris. First. Second."], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=markers, show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+# -- they train -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CLASSES, "mistral-v3"])
+def test_each_kind_trains(name, tmp_path):
+    """A tiny model learns the rows of each kind: the loss falls, on the trained tokens only."""
+    from ftcore.testing import TinyModel, chat_rows, stage_context, tiny_model
+    from ftcore_plugins.templates.mistral_v3 import MistralV3Template
+    from ftcore_plugins.trainers.base import SFT
+
+    if name == "mistral-v3":
+        template = MistralV3Template()
+    else:
+        text, options, _ = CLASSES[name]
+        template = jinja(tmp_path, text, **options)
+    rows = [{"messages": m["messages"]} for m in chat_rows(24)]
+    rows += [{"messages": WEATHER, "tools": json.dumps(TOOLS)}] * 8
+    base = tiny_model(tmp_path / "model")
+    model, tokenizer = template.prepare(base.model, base.tokenizer)
+    ctx = stage_context(TinyModel(model, tokenizer, template), tmp_path, rows)
+    SFT(SFT.Options(max_steps=10, batch_size=8, max_length=256, learning_rate=3e-3, logging_steps=1)).train(ctx)
+    losses = ctx.reporter.losses("sft")
+    assert len(losses) == 10 and losses[10] < 0.8 * losses[1], losses

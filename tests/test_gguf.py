@@ -100,7 +100,7 @@ def test_gguf_reads_back_with_the_weights_tokenizer_and_template(trained):
     config = model.config
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     files = sorted(p.name for p in (trained / "gguf").iterdir())
-    assert files == ["README.md", "tiny-f16.gguf", "tiny-q8_0.gguf"]
+    assert files == ["Modelfile", "README.md", "tiny-f16.gguf", "tiny-q8_0.gguf"]
     for kind, tolerance in (("f16", 1e-3), ("q8_0", 2e-2)):
         reader = gguf.GGUFReader(trained / "gguf" / f"tiny-{kind}.gguf")
         field = lambda key: reader.fields[key].contents()  # noqa: E731
@@ -112,6 +112,9 @@ def test_gguf_reads_back_with_the_weights_tokenizer_and_template(trained):
         assert field("tokenizer.ggml.tokens") == sorted(vocab, key=vocab.get)
         assert field("tokenizer.ggml.pre") == "gpt-2"
         assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+        # The plan's template (chatml) ends turns with <|im_end|>, not the tokenizer's EOS: llama.cpp stops there.
+        assert field("tokenizer.ggml.eot_token_id") == tokenizer.convert_tokens_to_ids("<|im_end|>") \
+            != tokenizer.eos_token_id
         assert field("tokenizer.chat_template") == tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
         # Tied embeddings: no output.weight, llama.cpp reads token_embd for the output layer.
         names = [t.name for t in reader.tensors]
@@ -279,16 +282,32 @@ def test_architectures_with_real_tokenizers(tmp_path, arch, tokenizer_name, pre)
         llama_cpp_matches(path, model, tokenizer, [text, "the quick brown fox"], n=6)
 
 
+@pytest.mark.slow
+def test_modelfile_spells_out_the_template_and_stop(trained):
+    """The Modelfile beside the files (and in the card): FROM the last type, the plan's ChatML as Ollama's Go
+    template, the end-of-turn token (then the tokenizer's EOS) as stops."""
+    modelfile = (trained / "gguf" / "Modelfile").read_text()
+    assert modelfile == (
+        'FROM ./tiny-q8_0.gguf\n'
+        'TEMPLATE """{{ range .Messages }}{{ if eq .Role "system" }}<|im_start|>system\n{{ .Content }}<|im_end|>\n'
+        '{{ else if eq .Role "user" }}<|im_start|>user\n{{ .Content }}<|im_end|>\n'
+        '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n'
+        '{{ end }}{{ end }}<|im_start|>assistant\n"""\n'
+        'PARAMETER stop "<|im_end|>"\nPARAMETER stop "<|endoftext|>"\n')
+    card = (trained / "gguf" / "README.md").read_text()
+    assert modelfile in card and "ollama create mymodel -f exports/gguf/Modelfile" in card
+
+
 def test_validate_refuses_what_gguf_cannot_write(tiny_project):
     bad_type = tiny_project('[[export]]\nuse = "gguf"\ntypes = ["f16", "q9_9"]\n', name="type.toml")
     r = run_cli("validate", str(bad_type))
     assert r.returncode == 2 and "export[0].types[1]: input should be 'f32'" in r.stdout + r.stderr, r.stdout + r.stderr
     # check(plan) runs once the options are valid: the architecture is known from the scratch loader.
-    gpt2 = tiny_project('[[export]]\nuse = "gguf"\n', name="arch.toml")
+    gpt2 = tiny_project('[[export]]\nuse = "gguf"\nconverter = "ftcore"\n', name="arch.toml")
     gpt2.write_text(gpt2.read_text().replace('use = "scratch"', 'use = "scratch"\narchitecture = "gpt2"'))
     r = run_cli("validate", str(gpt2))
     assert r.returncode == 2
-    assert "export[0].use: exporter 'gguf' writes llama, mistral and qwen2 models; this model is 'gpt2'" \
+    assert "export[0].converter: converter = \"ftcore\" writes llama, mistral and qwen2 models; this model is 'gpt2'" \
         in r.stdout + r.stderr, r.stdout + r.stderr
 
 

@@ -13,8 +13,9 @@ from ftcore.summary import format_value
 
 
 def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[str], usage: str,
-               verification: dict[str, Any] | None = None) -> Path:
-    """Write ``folder/README.md`` (replacing the one peft writes) and return its path."""
+               verification: dict[str, Any] | None = None, extra: str | None = None) -> Path:
+    """Write ``folder/README.md`` (replacing the one peft writes) and return its path. ``extra``
+    (markdown) follows the loading snippet."""
     from huggingface_hub import ModelCard, ModelCardData
 
     p = ctx.provenance or {}
@@ -39,6 +40,8 @@ def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[s
     if verification:
         body += _section("Verification", ["check", "value"], [(k, format_value(v)) for k, v in verification.items()])
     body += ["## How to load", "", "From the run folder:", "", "```python", usage.strip(), "```", ""]
+    if extra:
+        body += [extra.strip(), ""]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body))
     path = folder / "README.md"
     card.save(path)

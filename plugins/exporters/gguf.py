@@ -1,12 +1,21 @@
 """Exporter ``gguf``: the merged model as GGUF files for llama.cpp (and Ollama, LM Studio, ...),
-written with the ``gguf`` package, one file per type, tokenizer and chat template embedded.
+one file per type, tokenizer, chat template and end-of-turn token embedded, with an Ollama Modelfile.
 
-The metadata keys and tensor layouts follow llama.cpp's own ``convert_hf_to_gguf.py``
-(``LlamaModel`` for llama and mistral, ``Qwen2Model`` for qwen2). The merge is verified as for
-``merged``; then transformers' own GGUF reader (independent of the writer: it undoes llama.cpp's q/k
-row order itself) loads each 16/32-bit file, and its logits must match the merged model's within
-``tolerance``; for quantized files the difference is recorded, not checked, and computed by llama.cpp
-itself where llama-cpp-python is installed."""
+Two writers. Llama, Mistral and Qwen2 models are written here with the ``gguf`` package; the metadata
+keys and tensor layouts follow llama.cpp's own ``convert_hf_to_gguf.py`` (``LlamaModel`` for llama and
+mistral, ``Qwen2Model`` for qwen2), and it names the pre-tokenizer of a byte-level BPE tokenizer from
+its regex, so tokenizers trained from scratch export too. Every other architecture (Qwen3, Gemma 1/2/3,
+Phi-3 and the rest of llama.cpp's list) goes through llama.cpp's converter itself, run from where it is
+installed (:mod:`ftcore_plugins.exporters.llama_cpp_converter`); ``converter = "llama.cpp"`` sends the
+three families there too.
+
+The merge is verified as for ``merged``. Then each 16/32-bit file is read back and its logits must
+match the merged model's: by transformers' own GGUF reader for this module's files (independent of
+the writer: it undoes llama.cpp's q/k row order itself; within ``tolerance``), by llama.cpp for the
+converter's (transformers' reader mis-sizes Qwen3's heads and Gemma's attention scale; within
+``tolerance``, else a bound relative to the largest logit, since llama.cpp computes with its own
+kernels and a 16-bit KV cache). For quantized files the difference is recorded, not checked, and
+computed by llama.cpp itself where llama-cpp-python is installed."""
 
 from __future__ import annotations
 
@@ -23,7 +32,9 @@ from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.run_model import load_gguf
+from ftcore_plugins.exporters import llama_cpp_converter as converter
 from ftcore_plugins.exporters._card import card_path, final_path, write_card
+from ftcore_plugins.exporters._ollama import modelfile
 from ftcore_plugins.exporters.merged import TOLERANCES, logits, max_abs_diff, merge_verified, verification_inputs
 
 # transformers model_type -> llama.cpp architecture (mistral is llama's layout in llama.cpp).
@@ -38,10 +49,15 @@ GgufType = Literal[PYTHON_TYPES + LLAMA_CPP_TYPES]  # type: ignore[valid-type]
 
 # Checked against the merged model (max abs logit difference): the 16/32-bit files.
 CHECKED = {"f32": TOLERANCES["float32"], "f16": TOLERANCES["float16"], "bf16": TOLERANCES["bfloat16"]}
+# The same files read back by llama.cpp (the converter's): a fraction of the largest logit. Its own
+# kernels and 16-bit KV cache add to the weights' rounding (tiny Qwen3/Gemma f16: 0.1-0.2%).
+CHECKED_BY_LLAMA_CPP = {"f32": 0.01, "f16": 0.02, "bf16": 0.05}
+# The types llama.cpp's converter writes itself; the others are quantized from its f16 file.
+CONVERTER_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 USAGE = """
 # llama.cpp:  llama-cli -m {file} -cnv      (the chat template is in the file)
-# Ollama:     printf 'FROM {file}\\n' > Modelfile && ollama create mymodel -f Modelfile
+# Ollama:     ollama create mymodel -f {modelfile}      (the Modelfile below)
 from llama_cpp import Llama  # pip install llama-cpp-python
 
 llm = Llama("{file}")
@@ -50,6 +66,7 @@ print(llm.create_chat_completion([{{"role": "user", "content": "Hello!"}}])["cho
 
 PIP_GGUF = "pip install 'ftcore[gguf]'"
 PIP_LLAMA_CPP = "pip install llama-cpp-python (it builds llama.cpp from source, about 10 minutes)"
+PIP_SENTENCEPIECE = "pip install sentencepiece"
 
 # llama.cpp's name for a byte-level BPE pre-tokenizer (tokenizer.ggml.pre), by the regex that splits
 # the text before BPE (src/llama-vocab.cpp implements each name with these regexes).
@@ -73,11 +90,48 @@ def model_type(plan) -> str | None:
     return None  # a hub id: checked when the model is loaded
 
 
-def unsupported_architecture(kind: str | None) -> str | None:
-    if kind is None or kind in ARCHITECTURES:
-        return None
-    return (f"exporter 'gguf' writes llama, mistral and qwen2 models; this model is {kind!r} "
-            "(export it with use = \"merged\" and convert it with llama.cpp's convert_hf_to_gguf.py)")
+def model_classes(plan) -> list[str] | None:
+    """The plan's transformers architecture class names (``Qwen3ForCausalLM``), where known without loading."""
+    options = plan.model.options
+    if plan.model.name == "scratch":
+        return class_names(options.architecture, None)
+    config = Path(str(getattr(options, "path", ""))) / "config.json"
+    if config.is_file():
+        data = json.loads(config.read_text(encoding="utf-8"))
+        return class_names(data.get("model_type"), data.get("architectures"))
+    return None
+
+
+def class_names(kind: str | None, architectures: list[str] | None) -> list[str]:
+    if architectures:
+        return list(architectures)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind or "")
+    return [name] if isinstance(name, str) else list(name or [])
+
+
+def uses_converter(choice: str, kind: str | None) -> bool:
+    """Whether llama.cpp's converter writes this model (else this module's writer)."""
+    return choice == "llama.cpp" or (choice == "auto" and kind is not None and kind not in ARCHITECTURES)
+
+
+def unsupported_architecture(kind: str | None, classes: list[str] | None = None, choice: str = "auto",
+                             converter_path: str | None = None) -> str | None:
+    """Why this model cannot be exported, or None (also when it is not known yet)."""
+    if kind is None or not uses_converter(choice, kind):
+        return None if choice != "ftcore" or kind is None or kind in ARCHITECTURES else \
+            f"converter = \"ftcore\" writes llama, mistral and qwen2 models; this model is {kind!r}"
+    tree = converter.find_converter(converter_path)
+    if tree is None:
+        where = f"converter_path {converter_path!r} holds no {converter.SCRIPT}" if converter_path else \
+            f"it is not installed: {converter.FETCH} (once, with the network; it takes llama-cpp-python's source)"
+        return (f"exporter 'gguf' writes llama, mistral and qwen2 models itself and this model ({kind!r}) with "
+                f"llama.cpp's convert_hf_to_gguf.py, and {where}")
+    known = converter.registered(tree)
+    if classes and not any(c in known for c in classes):
+        return f"llama.cpp's converter in {tree} does not convert {', '.join(classes)} (model type {kind!r})"
+    return None
 
 
 class GgufExporter(Component):
@@ -89,64 +143,144 @@ class GgufExporter(Component):
     class Options(Options):
         types: list[GgufType] = Field(default=["f16", "q8_0"], min_length=1)  # type: ignore[valid-type]
         pre_tokenizer: str | None = None  # llama.cpp's pre-tokenizer name; found from the tokenizer when unset
-        # Max abs logit difference allowed between a 16/32-bit file (read back by transformers) and the
-        # merged model; unset: 0.05 for f16, 0.25 for bf16, 1e-4 for f32 (and for the merge before it).
+        # Max abs logit difference allowed between a 16/32-bit file and the merged model; unset: 0.05 for
+        # f16, 0.25 for bf16, 1e-4 for f32 (and for the merge before it) read back by transformers, and
+        # 2%, 5%, 1% of the largest logit read back by llama.cpp (the converter's files).
         tolerance: float | None = Field(None, ge=0)
+        # Who writes the file: "auto" (this exporter for llama, mistral and qwen2, llama.cpp's
+        # convert_hf_to_gguf.py for every other architecture), "llama.cpp" or "ftcore" for all.
+        converter: Literal["auto", "llama.cpp", "ftcore"] = "auto"
+        # Where llama.cpp's converter is: a llama.cpp tree or a llama-cpp-python sdist; unset:
+        # $FTCORE_LLAMA_CPP, then where `python -m ftcore_plugins.exporters.llama_cpp_converter` put it.
+        converter_path: str | None = None
 
     def check(self, plan) -> list[str]:
         problems = []
         if importlib.util.find_spec("gguf") is None:
             problems.append(f"use: exporter 'gguf' needs the gguf package, which is not installed: {PIP_GGUF}")
-        if (why := unsupported_architecture(model_type(plan))) is not None:
-            problems.append(f"use: {why}")
-        native = [t for t in self.options.types if t in LLAMA_CPP_TYPES]
+        kind = model_type(plan)
+        if (why := self.unsupported(kind, model_classes(plan) if kind else None)) is not None:
+            problems.append(f"{'converter' if self.options.converter != 'auto' else 'use'}: {why}")
+        converted = uses_converter(self.options.converter, kind)
+        if converted and importlib.util.find_spec("sentencepiece") is None:
+            problems.append(f"use: llama.cpp's converter, which writes {kind!r} models, needs sentencepiece: "
+                            f"{PIP_SENTENCEPIECE}")
+        native = [t for t in self.options.types if t in LLAMA_CPP_TYPES or (converted and t not in CONVERTER_TYPES)]
         if native and importlib.util.find_spec("llama_cpp") is None:
+            choose = CONVERTER_TYPES if converted else PYTHON_TYPES
             problems.append(f"types: {', '.join(native)} need llama.cpp's quantizer, and llama-cpp-python is not "
-                            f"installed: {PIP_LLAMA_CPP}; or choose from {', '.join(PYTHON_TYPES)}")
+                            f"installed: {PIP_LLAMA_CPP}; or choose from {', '.join(choose)}")
         return problems
 
-    def export(self, ctx):
-        import torch
+    def unsupported(self, kind: str | None, classes: list[str] | None) -> str | None:
+        return unsupported_architecture(kind, classes, self.options.converter, self.options.converter_path)
 
+    def export(self, ctx):
         model, merge = merge_verified(ctx, "float32", self.options.tolerance, self.name)
         config = model.config
-        if (why := unsupported_architecture(config.model_type)) is not None:
+        kind = config.model_type
+        if (why := self.unsupported(kind, class_names(kind, getattr(config, "architectures", None)))) is not None:
             raise FtcoreError(f"export '{ctx.name}': {why}")
-        state = {name: t.detach().to("cpu", torch.float32).numpy() for name, t in model.state_dict().items()}
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)  # llama.cpp uses token_embd when output.weight is absent
         ctx.path.mkdir(parents=True, exist_ok=True)
         stem = ctx.run.plan.run_name
         inputs = verification_inputs(ctx)
         expected = logits(model, inputs)
         verification = {f"merge {k}": v for k, v in merge.items()}
         targets = {t: ctx.path / f"{stem}-{t}.gguf" for t in self.options.types}
-        with tempfile.TemporaryDirectory() as tmp:
-            ctx.tokenizer.save_pretrained(tmp)
+        end_of_turn = end_of_turn_token(ctx.template, ctx.tokenizer)
+        eot = ctx.tokenizer.convert_tokens_to_ids(end_of_turn) if end_of_turn is not None else None
+        converted = uses_converter(self.options.converter, kind)
+        # In the export's own folder: a model's worth of disk, which /tmp may not have.
+        with tempfile.TemporaryDirectory(dir=ctx.path, prefix=".work-") as tmp:
+            if converted:
+                tree = converter.find_converter(self.options.converter_path)
+                folder = Path(tmp) / "model"
+                model.save_pretrained(folder)
+                ctx.tokenizer.save_pretrained(folder)
+                complete_tokenizer_files(folder, ctx.tokenizer, ctx.run.plan)
+                self._release(ctx)
+                model = None
+                self._convert(tree, folder, targets, stem, eot, Path(tmp))
+                verification["written by"] = f"llama.cpp's convert_hf_to_gguf.py ({tree.name})"
+            else:
+                self._write_all(ctx, model, targets, stem, eot, Path(tmp))
+                model = None
+                self._release(ctx)
             for gguf_type, target in targets.items():
-                if gguf_type in PYTHON_TYPES:
-                    self._write(target, gguf_type, config, state, ctx.tokenizer, Path(tmp), stem)
-                else:
-                    source = ctx.path / f"{stem}-f16.gguf"
-                    if "f16" not in self.options.types:
-                        source = Path(tmp) / "f16.gguf"
-                    if not source.exists():
-                        self._write(source, "f16", config, state, ctx.tokenizer, Path(tmp), stem)
-                    llama_cpp_quantize(source, target, gguf_type)
                 ctx.reporter.info(f"gguf: wrote {target.name} ({target.stat().st_size / 2**20:.1f} MiB)")
-            if ctx.consume and ctx.last and ctx.release_model is not None:
-                # The files are written and the expected logits known: the model can go before
-                # each file is read back as a second model.
-                model = state = ctx.model = ctx.merged = None
-                ctx.release_model()
             for gguf_type, target in targets.items():
-                verification.update(self.verify(target, gguf_type, inputs, expected))
+                check = self.verify_llama_cpp if converted else self.verify
+                verification.update(check(target, gguf_type, inputs, expected))
                 verification[f"{gguf_type} bytes"] = target.stat().st_size
+        if end_of_turn is not None:
+            verification["end of turn"] = f"{end_of_turn} ({eot})"
         ctx.reporter.log(f"export:{ctx.name}", {k: v for k, v in verification.items() if isinstance(v, (int, float))})
+        shown = self.options.types[-1]
+        text = ollama_modelfile(ctx, f"./{stem}-{shown}.gguf", end_of_turn)
+        (ctx.path / "Modelfile").write_text(text, encoding="utf-8")
         write_card(ctx.path, ctx, title="GGUF model", library="gguf", tags=["gguf", "llama.cpp"],
-                   usage=USAGE.format(file=card_path(ctx, final_path(ctx) / f"{stem}-{self.options.types[-1]}.gguf")),
-                   verification=verification)
+                   usage=USAGE.format(file=card_path(ctx, final_path(ctx) / f"{stem}-{shown}.gguf"),
+                                      modelfile=card_path(ctx, final_path(ctx) / "Modelfile")),
+                   verification=verification,
+                   extra=f"Ollama: `Modelfile` beside the files (its TEMPLATE is the chat template as Ollama's Go "
+                         f"template, its stop the end-of-turn token):\n\n```\n{text}```\n")
         return ctx.path
+
+    @staticmethod
+    def _release(ctx) -> None:
+        """Where the run gives the model up, it goes once the expected logits are known and it is
+        written: each file is read back, or converted, without it in memory."""
+        if ctx.consume and ctx.last and ctx.release_model is not None:
+            ctx.model = ctx.merged = None
+            ctx.release_model()
+
+    def _write_all(self, ctx, model, targets: dict[str, Path], stem: str, eot: int | None, tmp: Path) -> None:
+        import torch
+
+        config = model.config
+        state = {name: t.detach().to("cpu", torch.float32).numpy() for name, t in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)  # llama.cpp uses token_embd when output.weight is absent
+        tokenizer_dir = tmp / "tokenizer"
+        ctx.tokenizer.save_pretrained(tokenizer_dir)
+        for gguf_type, target in targets.items():
+            if gguf_type in PYTHON_TYPES:
+                self._write(target, gguf_type, config, state, ctx.tokenizer, tokenizer_dir, stem, eot)
+            else:
+                source = targets.get("f16", tmp / "f16.gguf")
+                if not source.exists():
+                    self._write(source, "f16", config, state, ctx.tokenizer, tokenizer_dir, stem, eot)
+                llama_cpp_quantize(source, target, gguf_type)
+
+    def _convert(self, tree: Path, folder: Path, targets: dict[str, Path], stem: str, eot: int | None,
+                 tmp: Path) -> None:
+        """Each file by llama.cpp's converter (f32, f16, bf16, q8_0) or its quantizer from the converter's f16."""
+        for gguf_type, target in targets.items():
+            if gguf_type in CONVERTER_TYPES:
+                convert_with_llama_cpp(tree, folder, target, gguf_type, stem, eot)
+            else:
+                source = targets.get("f16", tmp / "f16.gguf")
+                if not source.exists():
+                    convert_with_llama_cpp(tree, folder, source, "f16", stem, eot)
+                llama_cpp_quantize(source, target, gguf_type)
+
+    def verify_llama_cpp(self, path: Path, gguf_type: str, inputs, expected) -> dict[str, Any]:
+        """The converter's files, read back by llama.cpp: checked for 16/32-bit files (``tolerance``, else a
+        fraction of the largest logit), recorded for quantized ones."""
+        if importlib.util.find_spec("llama_cpp") is None:
+            return {f"{gguf_type} read back by": "nothing: llama-cpp-python is not installed"}
+        diff = max_abs_diff(llama_cpp_logits(path, inputs), expected)
+        record = {f"{gguf_type} max_abs_logit_diff": diff, f"{gguf_type} read back by": "llama.cpp"}
+        if gguf_type not in CHECKED_BY_LLAMA_CPP:
+            return record
+        scale = max(float(e.abs().max()) for e in expected)
+        limit = self.options.tolerance if self.options.tolerance is not None else \
+            CHECKED_BY_LLAMA_CPP[gguf_type] * scale
+        if diff > limit:
+            path.unlink()  # ours, just written, and wrong
+            raise FtcoreError(f"exporter 'gguf': {path.name} read back by llama.cpp gives logits up to {diff:.3g} "
+                              f"from the merged model's, above tolerance {limit:.3g}; it was removed")
+        return {**record, f"{gguf_type} tolerance": limit}
 
     def verify(self, path: Path, gguf_type: str, inputs, expected) -> dict[str, Any]:
         """The max abs logit difference of the file's model from the merged model: checked for 16/32-bit
@@ -176,7 +310,8 @@ class GgufExporter(Component):
                               f"from the merged model's, above tolerance {limit:g}; it was removed")
         return {f"{gguf_type} max_abs_logit_diff": diff, f"{gguf_type} tolerance": limit}
 
-    def _write(self, path: Path, gguf_type: str, config, state, tokenizer, tokenizer_dir: Path, name: str) -> None:
+    def _write(self, path: Path, gguf_type: str, config, state, tokenizer, tokenizer_dir: Path, name: str,
+               eot: int | None = None) -> None:
         import gguf
 
         arch = ARCHITECTURES[config.model_type]
@@ -186,12 +321,112 @@ class GgufExporter(Component):
         writer.add_type(gguf.GGUFType.MODEL)
         writer.add_name(name)
         add_hyperparameters(writer, config, arch, file_type(gguf_type))
-        add_tokenizer(writer, tokenizer, tokenizer_dir, config.vocab_size, self.options.pre_tokenizer)
+        add_tokenizer(writer, tokenizer, tokenizer_dir, config.vocab_size, self.options.pre_tokenizer, eot)
         add_tensors(writer, config, arch, state, gguf.GGMLQuantizationType[gguf_type.upper()])
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+
+
+def end_of_turn_token(template, tokenizer) -> str | None:
+    """The token that closes an assistant turn under the plan's template, where generation stops: its
+    declared end of turn, else the one its renderings show (``native`` and ``jinja`` files), else EOS;
+    None when that is not one token of the tokenizer."""
+    from ftcore_plugins.common.spans import SpanLocator
+
+    try:
+        candidates = SpanLocator(template, tokenizer).end_tokens()
+    except Exception:  # noqa: BLE001 - a template that cannot render the probes: its declared end, or EOS
+        end = getattr(template, "end_of_turn", None)
+        candidates = [c for c in (end(tokenizer) if callable(end) else None, tokenizer.eos_token) if c]
+    vocab = tokenizer.get_vocab()
+    return next((str(c) for c in candidates if str(c) in vocab), None)
+
+
+def ollama_modelfile(ctx, file: str, end_of_turn: str | None) -> str:
+    """The export's Ollama Modelfile: FROM the file, the plan's template as a Go TEMPLATE, its stops."""
+    tokenizer = ctx.tokenizer
+    stops = [t for t in (end_of_turn, tokenizer.eos_token) if t]
+    adds_bos = tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return modelfile(file, lambda messages, prompt: ctx.template.render(messages, tokenizer,
+                                                                         add_generation_prompt=prompt),
+                     stops, bos_token=tokenizer.bos_token, adds_bos=adds_bos)
+
+
+def complete_tokenizer_files(folder: Path, tokenizer, plan) -> None:
+    """What llama.cpp's converter reads of a SentencePiece tokenizer, where transformers 5 no longer saves
+    it: ``tokenizer.model`` (from where the tokenizer was loaded) and ``added_tokens_decoder`` in
+    ``tokenizer_config.json`` (the tokens added to it, the template's included)."""
+    if (folder / "tokenizer.model").exists():
+        return
+    source = sentencepiece_model(tokenizer, plan)
+    if source is None:
+        return  # a byte-level BPE tokenizer (tokenizer.json only); the converter reads that itself
+    import shutil
+
+    shutil.copyfile(source, folder / "tokenizer.model")
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    config.setdefault("tokenizer_class", type(tokenizer).__name__.removesuffix("Fast"))
+    config.setdefault("added_tokens_decoder", {
+        str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                 "single_word": t.single_word, "special": t.special}
+        for i, t in sorted(tokenizer.added_tokens_decoder.items())})
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def sentencepiece_model(tokenizer, plan) -> Path | None:
+    """The SentencePiece model file the tokenizer was built from, if it has one and its pieces are the
+    tokenizer's tokens: where it was loaded from, the plan's model or tokenizer folder, or the hub cache."""
+    backend = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
+    model = backend.get("model", {})
+    if model.get("type") == "BPE" and not model.get("byte_fallback"):
+        return None  # byte-level BPE: no SentencePiece model behind it
+    names = [getattr(tokenizer, "vocab_file", None), (getattr(tokenizer, "init_kwargs", None) or {}).get("vocab_file")]
+    origins = [getattr(tokenizer, "name_or_path", None)]
+    options = plan.model.options
+    origins += [str(v) for v in (getattr(options, "tokenizer", None), getattr(options, "path", None)) if v]
+    candidates = [Path(str(n)) for n in names if n]
+    for origin in filter(None, origins):
+        candidates.append(Path(origin) / "tokenizer.model")
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(origin, "tokenizer.model")
+            if isinstance(cached, str):
+                candidates.append(Path(cached))
+        except Exception:  # noqa: BLE001 - not a hub id
+            pass
+    for candidate in candidates:
+        if candidate.is_file() and same_pieces(candidate, tokenizer):
+            return candidate
+    return None
+
+
+def same_pieces(path: Path, tokenizer) -> bool:
+    """Whether the SentencePiece model at ``path`` has the tokenizer's tokens at the same ids."""
+    try:
+        from sentencepiece import SentencePieceProcessor
+
+        sp = SentencePieceProcessor(model_file=str(path))
+    except Exception:  # noqa: BLE001 - not installed (the converter will say so), or not a SentencePiece model
+        return False
+    inverse = {i: t for t, i in tokenizer.get_vocab().items()}
+    return all(inverse.get(i) == sp.id_to_piece(i) for i in range(sp.get_piece_size()))
+
+
+def convert_with_llama_cpp(tree: Path, folder: Path, target: Path, gguf_type: str, name: str,
+                           eot: int | None) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on the merged model's folder, with the template's end of turn as
+    ``tokenizer.ggml.eot_token_id`` (the converter sets one only for a few families, Gemma's from a fixed id)."""
+    result = converter.convert(tree, folder, target, gguf_type, name, eot)
+    if result.returncode != 0 or not target.exists():
+        lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else f"exit status {result.returncode}"
+        if "No module named 'sentencepiece'" in last:
+            last += f" ({PIP_SENTENCEPIECE})"
+        raise FtcoreError(f"exporter 'gguf': llama.cpp's converter ({tree}) failed: {last}")
 
 
 def llama_cpp_logits(path: Path, inputs: list[Any]) -> list[Any]:
@@ -256,8 +491,10 @@ def pre_tokenizer_name(tokenizer) -> str | None:
     return None
 
 
-def add_tokenizer(writer, tokenizer, tokenizer_dir: Path, vocab_size: int, pre_tokenizer: str | None) -> None:
-    """A byte-level BPE tokenizer as llama.cpp's "gpt2" model: tokens, types, merges, special ids, template."""
+def add_tokenizer(writer, tokenizer, tokenizer_dir: Path, vocab_size: int, pre_tokenizer: str | None,
+                  eot: int | None = None) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's "gpt2" model: tokens, types, merges, special ids (the
+    template's end of turn as ``eot_token_id``, where llama.cpp stops), template."""
     import gguf
 
     backend = json.loads(tokenizer.backend_tokenizer.to_str()) if getattr(tokenizer, "is_fast", False) else {}
@@ -289,6 +526,8 @@ def add_tokenizer(writer, tokenizer, tokenizer_dir: Path, vocab_size: int, pre_t
     probe = tokenizer("a")["input_ids"]
     special.add_special_token["bos"] = tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id]
     special.add_special_token["eos"] = tokenizer.eos_token_id is not None and probe[-1:] == [tokenizer.eos_token_id]
+    if eot is not None:
+        special.special_token_ids["eot"] = eot
     special.add_to_gguf(writer, quiet=True)
     if special.chat_template is None and getattr(tokenizer, "chat_template", None):
         writer.add_chat_template(tokenizer.chat_template)

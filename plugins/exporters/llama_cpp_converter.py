@@ -1,0 +1,212 @@
+"""llama.cpp's own converter, ``convert_hf_to_gguf.py`` with its ``gguf-py``, for the GGUF exporter.
+
+The converter writes about a hundred architectures (Qwen3, Gemma 1/2/3, Phi-3, ...). It is not on
+PyPI as a package: it ships in llama-cpp-python's source distribution (``vendor/llama.cpp/``), not
+in its wheel. ftcore does not copy it; it runs it, as a separate Python process, from where it is:
+
+1. the exporter's ``converter_path`` option, or ``$FTCORE_LLAMA_CPP``: a llama.cpp source tree (a
+   folder holding ``convert_hf_to_gguf.py``) or a llama-cpp-python sdist (``.tar.gz``, unpacked
+   once into the folder below);
+2. ``$XDG_DATA_HOME/ftcore/llama.cpp/<version>/`` (``~/.local/share/ftcore/...``), where
+
+       python -m ftcore_plugins.exporters.llama_cpp_converter
+
+   puts it: pip downloads the source distribution of the installed llama-cpp-python version (the
+   converter then writes what that llama.cpp reads), and only the converter's files are kept
+   (``convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``, ``LICENSE``, about 3 MB). This is the
+   one step that needs the network; ``--sdist FILE`` takes a source distribution you already have;
+3. a source tree beside the installed ``llama_cpp`` package (an editable or source install).
+
+Exports never download anything. The converter needs ``torch``, ``transformers``, ``numpy`` (all
+ftcore's) and ``sentencepiece``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+SCRIPT = "convert_hf_to_gguf.py"
+ENV = "FTCORE_LLAMA_CPP"
+FETCH = "python -m ftcore_plugins.exporters.llama_cpp_converter"
+# What the converter needs of a llama.cpp tree: the script, its package (newer trees), gguf-py, the licence.
+KEEP = (SCRIPT, "conversion/", "gguf-py/", "LICENSE")
+
+
+def llama_cpp_version() -> str | None:
+    """The installed llama-cpp-python's version, or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        return None
+
+
+def data_dir() -> Path:
+    """Where the fetch step puts converters, one folder per llama.cpp version."""
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base) / "ftcore" / "llama.cpp"
+
+
+def find_converter(path: str | Path | None = None) -> Path | None:
+    """The llama.cpp tree holding ``convert_hf_to_gguf.py`` (see the module's docstring), or None."""
+    given = path or os.environ.get(ENV)
+    if given:
+        return _tree(Path(given).expanduser())
+    version = llama_cpp_version()
+    candidates = []
+    if version is not None:
+        candidates.append(data_dir() / version)
+    elif data_dir().is_dir():  # no llama-cpp-python: the newest one fetched
+        candidates += sorted(data_dir().iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("llama_cpp")
+        if spec is not None and spec.origin:
+            package = Path(spec.origin).parent
+            candidates += [package.parent / "vendor" / "llama.cpp", package / "vendor" / "llama.cpp"]
+    except (ImportError, ValueError):
+        pass
+    for candidate in candidates:
+        if (candidate / SCRIPT).is_file():
+            return candidate
+    return None
+
+
+def _tree(path: Path) -> Path | None:
+    if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
+        target = data_dir() / _sdist_version(path)
+        if not (target / SCRIPT).is_file():
+            unpack(path, target)
+        return target
+    for candidate in (path, path / "vendor" / "llama.cpp"):
+        if (candidate / SCRIPT).is_file():
+            return candidate
+    return None
+
+
+def _sdist_version(path: Path) -> str:
+    match = re.search(r"(\d+(?:\.\d+)+)", path.name)
+    return match.group(1) if match else path.name.split(".tar")[0]
+
+
+def unpack(sdist: Path, target: Path) -> Path:
+    """Only the converter's files of a llama-cpp-python sdist (or a llama.cpp source archive) into ``target``."""
+    tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=_mkdir(target.parent)))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = []
+            for member in tar.getmembers():
+                parts = member.name.split("/")
+                # <pkg>/vendor/llama.cpp/<rest> in the sdist; <tree>/<rest> in a llama.cpp archive
+                rest = "/".join(parts[3:]) if parts[1:3] == ["vendor", "llama.cpp"] else "/".join(parts[1:])
+                if (member.isfile() and rest and ".." not in parts
+                        and any(rest == k or (k.endswith("/") and rest.startswith(k)) for k in KEEP)):
+                    member.name = rest
+                    members.append(member)
+            if not any(m.name == SCRIPT for m in members):
+                raise SystemExit(f"{sdist}: no {SCRIPT} in it (expected llama-cpp-python's source distribution)")
+            tar.extractall(tmp, members=members, filter="data") if sys.version_info >= (3, 12) \
+                else tar.extractall(tmp, members=members)  # noqa: S202 - members filtered above
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def fetch(version: str | None = None, sdist: Path | None = None) -> Path:
+    """Download (with pip) llama-cpp-python's source distribution and keep the converter from it."""
+    if sdist is not None:
+        return unpack(sdist, data_dir() / _sdist_version(sdist))
+    version = version or llama_cpp_version()
+    spec = f"llama-cpp-python=={version}" if version else "llama-cpp-python"
+    with tempfile.TemporaryDirectory() as tmp:
+        result = subprocess.run([sys.executable, "-m", "pip", "download", spec, "--no-deps", "--no-binary", ":all:",
+                                 "-d", tmp, "--disable-pip-version-check", "-q"],
+                                capture_output=True, text=True)
+        archives = sorted(Path(tmp).glob("*.tar.gz"))
+        if result.returncode != 0 or not archives:
+            raise SystemExit(f"pip could not download {spec}'s source distribution: "
+                             f"{(result.stderr.strip().splitlines() or ['no archive'])[-1]}")
+        return unpack(archives[0], data_dir() / (version or _sdist_version(archives[0])))
+
+
+@lru_cache(maxsize=8)
+def registered(tree: Path) -> frozenset[str]:
+    """The transformers architecture class names (``Qwen3ForCausalLM``) the converter in ``tree`` converts,
+    read from its ``@ModelBase.register(...)`` lines without importing it."""
+    files = [tree / SCRIPT, *sorted((tree / "conversion").glob("*.py"))]
+    names: set[str] = set()
+    for file in files:
+        for args in re.findall(r"@ModelBase\.register\(([^)]*)\)", file.read_text(encoding="utf-8")):
+            names.update(re.findall(r"[\"']([A-Za-z0-9_]+)[\"']", args))
+    return frozenset(names)
+
+
+# Runs the converter as its own command line does, with one addition: the end-of-turn token id, set on
+# the writer just before it writes the header (a key set twice keeps the last value).
+RUNNER = """
+import runpy, sys
+tree, eot, script = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path[:0] = [tree + "/gguf-py", tree]
+import gguf
+if eot:
+    write_header = gguf.GGUFWriter.write_header_to_file
+    def with_eot(self, *args, **kwargs):
+        self.add_eot_token_id(int(eot))
+        return write_header(self, *args, **kwargs)
+    gguf.GGUFWriter.write_header_to_file = with_eot
+sys.argv = sys.argv[3:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert(tree: Path, model: Path, target: Path, outtype: str, name: str | None = None,
+            eot: int | None = None) -> subprocess.CompletedProcess:
+    """``convert_hf_to_gguf.py MODEL --outfile TARGET --outtype OUTTYPE`` in a Python process of its own,
+    offline, with the tree's own gguf-py; ``eot`` becomes ``tokenizer.ggml.eot_token_id``."""
+    script = tree / SCRIPT
+    args = [str(model), "--outfile", str(target), "--outtype", outtype, *(["--model-name", name] if name else [])]
+    env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-c", RUNNER, str(tree), "" if eot is None else str(eot), str(script),
+                           *args], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=FETCH, description="Get llama.cpp's convert_hf_to_gguf.py for ftcore's GGUF export (once, with the "
+        "network): it ships in llama-cpp-python's source distribution.")
+    parser.add_argument("--version", help="llama-cpp-python version (default: the installed one, else the latest)")
+    parser.add_argument("--sdist", type=Path, help="a llama-cpp-python source distribution you already have "
+                        "(.tar.gz): no download")
+    parser.add_argument("--where", action="store_true", help="print where the converter is found, and exit")
+    args = parser.parse_args(argv)
+    if args.where:
+        tree = find_converter()
+        print(tree if tree else f"not found; run: {FETCH}")
+        return 0 if tree else 1
+    tree = fetch(args.version, args.sdist)
+    print(f"llama.cpp's converter is in {tree} ({len(registered(tree))} architectures)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

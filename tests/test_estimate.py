@@ -478,6 +478,45 @@ def test_the_chunked_loss_is_counted_at_the_devices_chunk():
     assert _loss_kernel(sft, "cpu") == "chunked"
 
 
+def test_activation_offloading_takes_the_layers_inputs_off_the_gpu():
+    """With offloading (CUDA only: transformers' save_on_cpu needs pinned memory), the checkpointed
+    layers' inputs wait in host memory: the estimate keeps one of them on the GPU instead of all."""
+    from transformers import AutoConfig
+
+    from ftcore_plugins.common.estimate import trainer_activation_bytes, trainer_memory_settings
+    from ftcore_plugins.trainers.sft import SFT
+
+    config = AutoConfig.for_model(**{k: v for k, v in LLAMA3_8B_2L.items() if k != "architectures"})
+    plain, offloaded = SFT(), SFT(SFT.Options(activation_offloading=True))
+    tokens, layers, width = 2 * 2048, config.num_hidden_layers, config.hidden_size
+    for device in ("cpu", "cuda"):
+        before, after = (trainer_activation_bytes(t, config, 2, 2048, True, device=device, precision="bf16")
+                         for t in (plain, offloaded))
+        # all layers' inputs but one, of the residual stream's 2 or 4 bytes (without a model the estimate
+        # assumes fp32); a CPU has no GPU memory to free, so nothing changes there
+        freed, one = before - after, (layers - 1) * tokens * width
+        assert (freed in (2 * one, 4 * one)) if device == "cuda" else freed == 0
+    # Offloading turns checkpointing on, as the Trainer does, and says where the inputs went.
+    settings = trainer_memory_settings(offloaded, device="cuda")
+    assert settings["gradient_checkpointing"] is True and any("offloading" in n for n in settings["notes"])
+    assert trainer_memory_settings(offloaded, device="cpu")["gradient_checkpointing"] is False
+
+
+def test_activation_offloading_asks_the_trainer_for_offloaded_checkpointing_on_a_gpu(monkeypatch):
+    """The Trainer's own offload (activation_checkpointing_kwargs offload) on a GPU; nothing on a CPU. The
+    GPU half stands in torch.cuda.is_available: this machine has none."""
+    import torch
+
+    from ftcore_plugins.trainers._training import TrainOptions, checkpointing_arguments
+
+    o = TrainOptions(activation_offloading=True)
+    assert checkpointing_arguments(o) == {"activation_checkpointing": False}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert checkpointing_arguments(o) == {"activation_checkpointing": True, "activation_checkpointing_kwargs":
+                                          {"use_reentrant": False, "offload": True}}
+    assert checkpointing_arguments(TrainOptions(gradient_checkpointing=True)) == {"activation_checkpointing": True}
+
+
 # -- estimate vs measured -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):

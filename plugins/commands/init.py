@@ -105,6 +105,7 @@ class Choice:
     why: list[str]  # comment lines for the plan
     r: int | None = None  # LoRA rank; None: the method's default
     optimizer: str | None = None  # None: the trainer's default
+    offload: bool = False  # activation offloading (the checkpointed layers' inputs in host memory)
 
 
 def is_rlhf(a: Answers) -> bool:
@@ -166,6 +167,8 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
                  f"gradient_checkpointing = {'true' if choice.checkpointing else 'false'}"]
         if choice.optimizer:
             knobs.append(f'optimizer = "{choice.optimizer}"   # 8-bit states, paged to the CPU under pressure')
+        if choice.offload:
+            knobs.append("activation_offloading = true   # each layer's saved input in host memory, not the GPU's")
     stages: list[list[str]] = []
     if a.goal == "domain" or a.kind == "text":
         stages.append(["# Domain shift on raw text: continued pre-training on every token.", "[[stage]]",
@@ -204,9 +207,11 @@ EFFECTIVE_BATCH = 16  # samples per optimizer step, kept as the batch shrinks (g
 MARGIN = 0.10  # of the GPU memory left free: the estimate's error and the allocator's fragmentation
 LENGTHS = (2048, 1024, 512)
 BATCHES = (8, 4, 2, 1)
-# QLoRA's leaner settings, in order of preference, before a shorter max_length: (r, optimizer), None the
-# default. The QLoRA recipe's paged 8-bit AdamW (2 bytes of state a parameter against 8), then rank 8.
-LEANER = {"qlora": ((None, None), (None, "paged_adamw_8bit"), (8, "paged_adamw_8bit"))}
+# QLoRA's leaner settings, in order of preference, before a shorter max_length: (r, optimizer, activation
+# offloading), None the default. The QLoRA recipe's paged 8-bit AdamW (2 bytes of state a parameter against
+# 8), then offloading (a copy of each layer's input to the host and back, a step), then rank 8.
+LEANER = {"qlora": ((None, None, False), (None, "paged_adamw_8bit", False), (None, "paged_adamw_8bit", True),
+                    (8, "paged_adamw_8bit", True))}
 
 
 def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
@@ -255,7 +260,7 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
             return estimate.peak
 
         for how in order:
-            variants = LEANER.get(how, ((None, None),))
+            variants = LEANER.get(how, ((None, None, False),))
             lean = Choice(how, 1, EFFECTIVE_BATCH, LENGTHS[-1], True, [], *variants[-1])
             if (p := peak(lean)) is None:
                 return None  # the config cannot be read: no estimate to fit against
@@ -263,14 +268,15 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
                 continue
             # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
             checkpointings = (True,) if how == "qlora" else (False, True)
-            for length, checkpointing, (r, optimizer), batch in itertools.product(LENGTHS, checkpointings, variants,
+            for length, checkpointing, (r, optimizer, offload), batch in itertools.product(LENGTHS, checkpointings, variants,
                                                                                  BATCHES):
-                choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [], r, optimizer)
+                choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [], r, optimizer,
+                                offload)
                 need = peak(choice)
                 if need is None or need > budget:
                     continue
                 leaner = "" if len(variants) == 1 else (
-                    ", then " + " > ".join(_variant(v) for v in variants) + f" ({_variant((r, optimizer))})")
+                    ", then " + " > ".join(_variant(v) for v in variants) + f" ({_variant((r, optimizer, offload))})")
                 choice.why = [
                     f"Fitted to {a.gpu_memory_gb:g} GB of GPU memory: `ftcore estimate --device cuda` "
                     f"says {human(need)} at its peak, within {human(budget)} (the memory less a "
@@ -290,9 +296,9 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
                           "more memory per GPU, or several GPUs with DeepSpeed ZeRO-3 (see docs/distributed.md)")
 
 
-def _variant(variant: tuple[int | None, str | None]) -> str:
-    r, optimizer = variant
-    return f"r {r or 16} with {optimizer or 'the default optimizer'}"
+def _variant(variant: tuple[int | None, str | None, bool]) -> str:
+    r, optimizer, offload = variant
+    return f"r {r or 16} with {optimizer or 'the default optimizer'}" + (", activations offloaded" if offload else "")
 
 
 def ask(prompt: str, default: str | None = None, choices: tuple[str, ...] | None = None) -> str:

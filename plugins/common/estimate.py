@@ -274,11 +274,16 @@ def trainer_memory_settings(trainer: Any, *, device: str = "cpu") -> dict[str, A
 
     o = trainer.options
     optimizer = defaults(device).optimizer if o.optimizer == "auto" else o.optimizer  # as trainers/_optimizers.py
-    out = {"batch_size": o.batch_size, "seq_len": o.max_length, "gradient_checkpointing": o.gradient_checkpointing,
+    offloaded = device == "cuda" and getattr(o, "activation_offloading", False)  # turns checkpointing on
+    out = {"batch_size": o.batch_size, "seq_len": o.max_length,
+           "gradient_checkpointing": o.gradient_checkpointing or offloaded,
            "optimizer": optimizer, "precision": o.precision, "notes": []}
     if not getattr(o, "packing", True):  # sft without packing pads each batch to its longest row
         out["notes"].append(f"sequences counted at max_length ({o.max_length}), the longest a batch can be: "
                             "rows are padded to the longest in their batch, so shorter data takes less")
+    if offloaded:
+        out["notes"].append("activation offloading: each checkpointed layer's input waits in pinned host memory "
+                            "(layers x tokens x hidden of it), one at a time on the GPU")
     if o.gradient_accumulation_steps > 1:
         out["notes"].append("gradient accumulation adds no memory: the batch is the per-step batch_size")
     return out
@@ -471,8 +476,10 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     retained = 0
     if device != "cuda":
         retained = sum(2 * tokens * w * lin for w in lora_widths if tokens * w * lin <= _MMAP_THRESHOLD_MAX)
-    if checkpointing:
-        saved = layers * tokens * h * res + final_norm
+    offloaded = device == "cuda" and getattr(getattr(trainer, "options", None), "activation_offloading", False)
+    if checkpointing or offloaded:
+        # Offloaded, the layers' inputs wait in host memory and come back one at a time for the backward.
+        saved = (1 if offloaded else layers) * tokens * h * res + final_norm
         return int(saved + max(head + cast_cache, 2 * per_layer) + retained)
     return int(layers * per_layer + final_norm + head + cast_cache + retained)
 

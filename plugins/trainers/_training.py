@@ -32,6 +32,10 @@ class TrainOptions(Options):
     optimizer: str = "auto"
     max_grad_norm: float = Field(1.0, ge=0)  # clip the gradient norm; 0: no clipping
     gradient_checkpointing: bool = False
+    # with checkpointing, each layer's saved input in pinned host memory, not on the GPU (transformers'
+    # offload): frees layers x tokens x hidden of GPU memory for a copy each way a step; a CPU has no
+    # GPU memory to free, so there it changes nothing
+    activation_offloading: bool = False
     compile: bool = False  # torch.compile the decoder blocks while training; off: on CPU it rarely pays (RESULTS.md)
     # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -170,7 +174,7 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         weight_decay=o.weight_decay,
         **optimizer_arguments(o.optimizer, "cuda" if torch.cuda.is_available() else "cpu"),
         max_grad_norm=o.max_grad_norm,
-        activation_checkpointing=o.gradient_checkpointing,
+        **checkpointing_arguments(o),
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         logging_steps=o.logging_steps,
@@ -191,6 +195,17 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         dataloader_pin_memory=torch.cuda.is_available(),
         **distributed_arguments(ctx.run),
     )
+
+
+def checkpointing_arguments(o: TrainOptions) -> dict[str, Any]:
+    """TrainingArguments for gradient checkpointing and, on a GPU, activation offloading (which turns
+    checkpointing on: only the checkpointed layers' inputs are offloaded)."""
+    import torch
+
+    if o.activation_offloading and torch.cuda.is_available():
+        return {"activation_checkpointing": True,
+                "activation_checkpointing_kwargs": {"use_reentrant": False, "offload": True}}
+    return {"activation_checkpointing": o.gradient_checkpointing}
 
 
 def distributed_arguments(run: Any) -> dict[str, Any]:

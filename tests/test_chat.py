@@ -145,6 +145,45 @@ def test_chat_reads_a_script_from_stdin(quickstart_run):
     assert "you> the fox\n" in out  # input() echoes no newline when stdin is not a terminal
 
 
+NOISE = ("kernels", "Warning", "warn(", "Loading weights", "it/s]")
+
+
+@pytest.mark.slow
+def test_chat_starts_without_library_noise_caps_the_answer_and_quits_at_once(quickstart_run, terminal):
+    """A LoRA run (peft imports bitsandbytes, whose CPU backend warns at import; transformers deprecations;
+    loading bars): none of it on the screen. --max-new-tokens past the model's context (256) is capped,
+    with a note. Ctrl-D ends the chat at once (the interpreter's teardown took about 3 s)."""
+    terminal.type(chat_command(quickstart_run, "--max-new-tokens", "100000"))
+    screen = terminal.wait(r"^you>\s*$")
+    assert "(--max-new-tokens 100000 is beyond the model's context of 256 tokens: capped at 256)" in screen
+    assert "greedy max_new_tokens=256" in screen
+    assert not [word for word in NOISE if word in screen], screen
+    assert terminal.say("/set max_new_tokens=300") == \
+        ["(max_new_tokens 300 is beyond the model's context of 256 tokens: capped at 256)", "(greedy max_new_tokens=256)"]
+    assert terminal.say(FIRST) == ["the fox"]
+    start = time.monotonic()
+    terminal.send("C-d")
+    screen = terminal.wait(r"^EXIT=\d+$", timeout=60)
+    elapsed = time.monotonic() - start
+    assert re.search(r"^EXIT=0$", screen, re.M), screen
+    assert elapsed < 1.5, f"Ctrl-D took {elapsed:.1f} s"
+
+
+@pytest.mark.slow
+def test_piped_chat_stays_quiet_and_answers_within_the_context(quickstart_run):
+    """Without a terminal: stderr holds ftcore's own notes only; a conversation that fills the context is
+    refused with a line saying so, and the chat goes on."""
+    long = " ".join(["red fox stone"] * 150)  # well past 256 tokens
+    script = f"{long}\n{FIRST}\n"
+    result = subprocess.run([sys.executable, "-m", "ftcore", "chat", str(quickstart_run), "--max-new-tokens", "999"],
+                            input=script, capture_output=True, text=True, timeout=3600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [word for word in NOISE if word in result.stderr], result.stderr
+    assert "(--max-new-tokens 999 is beyond the model's context of 256 tokens: capped at 256)" in result.stderr
+    assert "the conversation fills the model's context (256 tokens): /reset to start again" in result.stdout
+    assert "you> the fox\n" in result.stdout  # the refused turn was forgotten
+
+
 # -- bad input: one line, exit 2 -------------------------------------------------------------------------------
 
 def one_line_error(*args):

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
+import warnings
 from typing import Any
 
 import ftcore
@@ -19,6 +22,50 @@ HELP = """\
 /exit                  quit (also Ctrl-D); Ctrl-C stops an answer, or quits at the prompt"""
 
 SETTINGS = {"temperature": float, "top_p": float, "max_new_tokens": int, "seed": int}
+
+# Libraries whose loggers chatter while the model loads: bitsandbytes' CPU backend, imported by peft,
+# warns at import that it cannot load an optional kernel ("Failed to load CPU gemm_4bit_forward from
+# kernels-community: No module named 'kernels'"); transformers draws a progress bar per model it loads.
+NOISY = ("bitsandbytes", "transformers", "peft", "accelerate", "torch", "huggingface_hub", "trl", "datasets")
+
+
+def quiet_libraries() -> None:
+    """Third-party libraries' import- and load-time chatter off (their errors still show): their loggers
+    below ERROR, transformers' and huggingface_hub's progress bars, and FutureWarnings and
+    DeprecationWarnings (transformers' own deprecations, seen when a peft model loads). ftcore's notes stay."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in NOISY:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    if "transformers" in sys.modules:  # imported already: its own switches (the variables above work at import)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+
+
+def context_length(model: Any) -> int | None:
+    """The longest sequence the model takes (prompt and answer), or None when it does not say."""
+    llm = getattr(model, "llm", None)
+    if llm is not None:
+        return int(llm.n_ctx())
+    config = getattr(getattr(model, "model", None), "config", None)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def capped(sampling: Any, context: int | None, say: Any, where: str = "--max-new-tokens") -> Any:
+    """``sampling`` with max_new_tokens at most the model's context, saying so when it was beyond it."""
+    if context is None or sampling.max_new_tokens <= context:
+        return sampling
+    say(f"({where} {sampling.max_new_tokens} is beyond the model's context of {context} tokens: capped at {context})")
+    return dataclasses.replace(sampling, max_new_tokens=context)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +124,8 @@ class Chat:
     def __init__(self, models: list[Any], sampling: Any, system: str | None, console: Any):
         self.models, self.sampling, self.system, self.console = models, sampling, system, console
         self.histories: list[list[dict]] = [[] for _ in models]
+        known = [c for c in (context_length(m) for m in models) if c is not None]
+        self.context = min(known) if known else None
 
     def loop(self) -> int:
         while True:
@@ -114,7 +163,8 @@ class Chat:
             say("[dim](system prompt " + ("set" if self.system else "removed") + "; conversation cleared)[/]")
         elif name == "/set":
             try:
-                self.sampling = parse_settings(rest.split(), self.sampling)
+                self.sampling = capped(parse_settings(rest.split(), self.sampling), self.context,
+                                       lambda note: say(note, style="dim", highlight=False), "max_new_tokens")
             except ValueError as exc:
                 say(f"[red]{exc}[/]", highlight=False)
             else:
@@ -130,7 +180,17 @@ class Chat:
             turn = [{"role": "user", "content": text}]
             system = [{"role": "system", "content": self.system}] if self.system else []
             try:
-                answer = self.stream(model, model.render(system + history + turn))
+                prompt = model.render(system + history + turn)
+                sampling = self.sampling
+                context = context_length(model)
+                if context is not None:  # the answer gets what the conversation leaves of the context
+                    room = context - len(model.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    if room < 1:
+                        self.console.print(f"[red]the conversation fills the model's context ({context} tokens): "
+                                           "/reset to start again[/]", highlight=False)
+                        return
+                    sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+                answer = self.stream(model, prompt, sampling)
             except KeyboardInterrupt:
                 print("\n(stopped; this turn is forgotten)", flush=True)
                 return
@@ -140,11 +200,11 @@ class Chat:
                 return
             history += [*turn, {"role": "assistant", "content": answer}]
 
-    def stream(self, model: Any, prompt: str) -> str:
+    def stream(self, model: Any, prompt: str, sampling: Any = None) -> str:
         """Print the answer as plain text while it is generated; return it stripped."""
         pieces: list[str] = []
         started = False
-        for piece in model.stream(prompt, self.sampling):
+        for piece in model.stream(prompt, sampling or self.sampling):
             pieces.append(piece)
             if not started:  # the answer starts at its first visible character
                 piece = piece.lstrip()
@@ -176,12 +236,21 @@ class ChatCommand(Command):
 
     def run(self, args: argparse.Namespace) -> int:
         try:
-            return self._run(args)
+            code = self._run(args)
         except KeyboardInterrupt:  # while loading
             print("\ninterrupted", file=sys.stderr)
-            return 130
+            code = 130
+        if code is not None and sys.stdin.isatty():
+            # At a terminal the conversation is over and nothing is left to write: leave now. The
+            # interpreter's teardown of the loaded libraries (bitsandbytes, which peft imports, most)
+            # made Ctrl-D take about 3 s.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
     def _run(self, args: argparse.Namespace) -> int:
+        quiet_libraries()
         from rich.console import Console
 
         from ftcore_plugins.common.run_model import Run
@@ -202,6 +271,9 @@ class ChatCommand(Command):
             if other.label == model.label:
                 raise FtcoreError(f"--compare {args.compare}: that is the model you chat with already")
             models = [other, model]
+        known = [c for c in (context_length(m) for m in models) if c is not None]
+        sampling = capped(sampling, min(known) if known else None,
+                          lambda note: notes.print(note, style="dim", highlight=False))
         names = " and ".join(m.label for m in models)
         console.print(f"[bold]ftcore chat[/]: {run.shown}: {names}; template '{run.plan.template.name}'; "
                       f"{sampling.describe()}. /help for commands, Ctrl-D to quit.", highlight=False)

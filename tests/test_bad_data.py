@@ -104,7 +104,7 @@ def test_csv_row_missing_a_required_field(tmp_path):
     path = write(tmp_path, "q.csv", "question,answer\nA?,a\nB?,b\nC?,c\nD?,d\nE?,e\n")
     assert error(tmp_path, source("csv", path, 'format = "alpaca"\n')) == (
         "data.train: data/q.csv: row 1: missing field 'instruction' (fields: question, answer); "
-        'map it with columns = { instruction = "..." }')
+        'map it with columns = { instruction = "question" }')  # a field that looks like it
     path = write(tmp_path, "q2.csv", "instruction,output\nA?,a\nB?,b\nC?,c\nD?,d\nE?,\n")
     msg = error(tmp_path, source("csv", path))
     assert msg.startswith("data.train: data/q2.csv: row 5: missing field 'output' (it is empty or null in this row; "
@@ -220,10 +220,111 @@ def test_kept_column_that_clashes_with_the_schema(tmp_path):
 
 
 def test_undetectable_format_suggests_columns_and_format(tmp_path):
-    msg = error(tmp_path, source("csv", write(tmp_path, "q.csv", "question,answer\nA?,a\n")))
-    assert msg.startswith("data.train: data/q.csv: row 1: cannot tell the row's format from its fields "
-                          "(question, answer); map them to our field names with columns = ")
+    msg = error(tmp_path, source("csv", write(tmp_path, "q.csv", "query,reply,n\nA?,a,1\n")))
+    assert msg == ("data.train: data/q.csv: row 1: cannot tell the row's format from its fields (query, reply, n); "
+                   'they look like instructions and answers (Alpaca): set columns = { instruction = "query", output = '
+                   '"reply" } in the source')
+    msg = error(tmp_path, source("csv", write(tmp_path, "z.csv", "alpha,beta\nA?,a\n")))
+    assert msg.startswith("data.train: data/z.csv: row 1: cannot tell the row's format from its fields "
+                          "(alpha, beta); map them to our field names with columns = ")
     assert 'set format = "..."' in msg
+
+
+def test_fields_that_look_like_a_known_format_get_the_mapping_once_with_the_count(tmp_path):
+    """StackExchange-paired rows (question, response_j better than response_k): the mapping is suggested; under
+    skip, the 25 rows with that one message are one warning with the count, or, when nothing is left, the error
+    line alone; a JSON array on one line numbers its rows by index, not ':1' each."""
+    rows = [{"question": f"q{i}", "response_j": f"good {i}", "response_k": f"bad {i}"} for i in range(25)]
+    path = write(tmp_path, "se.json", json.dumps(rows))
+    mapping = 'set columns = { prompt = "question", chosen = "response_j", rejected = "response_k" } in the source'
+    assert error(tmp_path, source("json", path)) == (
+        "data.train: data/se.json: row 1: cannot tell the row's format from its fields (question, response_j, "
+        f"response_k); they look like preference pairs: {mapping}")
+    assert error(tmp_path, source("json", path, 'on_error = "skip"\n')) == (
+        "data.train: no rows left: all 25 rows were skipped (unknown format: 25); the first: data/se.json: row 1: "
+        "cannot tell the row's format from its fields (question, response_j, response_k); they look like preference "
+        f"pairs: {mapping}; `ftcore validate --data PLAN` lists them")
+    # Among rows of a known format, read as one table (each row has every column, null where it has none):
+    pairs = [{"prompt": "p", "chosen": "a", "rejected": "b"}] * 2
+    path = write(tmp_path, "mixed.json", json.dumps(pairs + rows))
+    got = load_data(tmp_path, source("json", path, 'on_error = "skip"\n'))
+    warnings = [line for line in got.output.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: data.train: data/mixed.json: row 3: missing field 'prompt' (it is empty or null in "
+                        "this row; fields: question, response_j, response_k); they look like preference pairs: "
+                        f"{mapping} or set format = \"...\" (read as 'preference' from the fields) (skipped; 24 more "
+                        "row(s) like it)",
+                        "warning: data.train: skipped 25 of 27 rows (missing field: 25)"]
+    assert got.stats["skipped_first"] == [w[len("warning: data.train: "):] for w in warnings[:1]]
+    # Written one per line, the rows keep their line numbers.
+    path = write(tmp_path, "lines.json", "[\n" + ",\n".join(json.dumps(r) for r in pairs + rows) + "\n]")
+    assert error(tmp_path, source("json", path)).startswith("data.train: data/lines.json:4: missing field 'prompt'")
+
+
+def test_when_every_row_is_skipped_the_error_is_the_one_line(tmp_path):
+    """Identical chosen/rejected and empty text rows are skipped even under on_error = "error"; when that leaves
+    nothing, no warning per row comes first: one line, with the count and the first row."""
+    same = {"prompt": "p", "chosen": "a", "rejected": "a"}
+    path = write(tmp_path, "same.jsonl", lines(*[same] * 6))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[run]\nname = "x"\n[model]\nuse = "scratch"\ntokenizer_data = ["train"]\n'
+                    f'[data.train]\n{source("jsonl", path)}[[stage]]\nname = "s"\ntrainer = "dpo"\ndata = "train"\n'
+                    'adapter = "full"\n')
+    result = run_cli("run", str(plan), cwd=tmp_path, env={"HF_DATASETS_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        "error: data.train: no rows left: all 6 rows were skipped (identical chosen rejected: 6); the first: "
+        "data/same.jsonl:1: 'chosen' and 'rejected' are identical, so the pair teaches nothing; `ftcore validate "
+        "--data PLAN` lists them"]
+
+
+# -- limit ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use, name, text", [
+    ("jsonl", "x.jsonl", lines(*[ALPACA] * 46, '{"instruction": "a" "output": "b"}', *[ALPACA] * 3)),
+    ("json", "x.json", "[" + ",\n".join([json.dumps(ALPACA)] * 46 + ['{"instruction": "a" "output"}'] +
+                                        [json.dumps(ALPACA)] * 3) + "]\n"),
+    ("csv", "x.csv", "instruction,output\n" + "Name a colour.,Red.\n" * 46 + "A,b,extra\n" + "B,c\n" * 3),
+    ("text", "x.txt", "a line\n" * 46 + "\udcff\n" + "a line\n" * 3),
+])
+def test_limit_stops_reading_before_a_bad_row(tmp_path, use, name, text):
+    """`limit = 10` reads ten rows: the bad row at line 47 does not stop the load (it does without a limit)."""
+    raw = text.encode("utf-8", "surrogateescape")
+    path = write(tmp_path, name, raw)
+    extra = 'unit = "line"\n' if use == "text" else ""
+    assert ":47" in error(tmp_path, source(use, path, extra)) or "row 47" in error(tmp_path, source(use, path, extra))
+    got = load_data(tmp_path, source(use, path, extra + "limit = 10\n"))
+    assert len(got.ds) == 10 and got.stats["rows_read"] == 10
+    # Over several files, in order: the second file is read for what the first leaves.
+    first = write(tmp_path, "first." + name.split(".")[1], raw)
+    got = load_data(tmp_path, f'use = "{use}"\npath = ["{first}", "{path}"]\n{extra}limit = 12\n')
+    assert len(got.ds) == 12 and [f["rows_read"] for f in got.stats["files"]] == [12]
+
+
+def test_limit_stops_a_plugin_file_source_reading(tmp_path):
+    """A third-party FileSource's read_rows is not asked for a row past the limit."""
+    from ftcore.context import DataContext, RunInfo
+    from ftcore.testing import RecordingReporter
+    from ftcore_plugins.data.base import BadRow, FileSource
+
+    asked = []
+
+    class Tabs(FileSource):
+        name = "tabs"
+
+        def read_rows(self, path):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                asked.append(n)
+                fields = line.split("\t")
+                yield BadRow("expected 2 fields", n) if len(fields) != 2 else \
+                    (n, {"instruction": fields[0], "output": fields[1]})
+
+    path = tmp_path / "x.tsv"
+    path.write_text("q\ta\n" * 46 + "broken\n" + "q\ta\n" * 3)
+    ctx = DataContext(RunInfo(None, tmp_path), RecordingReporter(), "train")
+    with pytest.raises(FtcoreError, match="x.tsv:47: expected 2 fields"):
+        Tabs(Tabs.Options(path=str(path))).load(ctx)
+    asked.clear()
+    assert len(Tabs(Tabs.Options(path=str(path), limit=10)).load(ctx)) == 10 and asked == list(range(1, 11))
 
 
 # -- on_error = "skip" --------------------------------------------------------------------------------
@@ -265,8 +366,9 @@ def test_skip_bad_csv_rows_and_non_utf8_lines(tmp_path):
 
 def test_skip_everything_is_still_an_error(tmp_path):
     path = write(tmp_path, "all.jsonl", lines({"messages": "a"}, {"messages": "b"}))
-    assert error(tmp_path, source("json", path, 'on_error = "skip"\n')) == \
-        "data.train: no rows left: all 2 rows were skipped (wrong type: 2)"
+    assert error(tmp_path, source("json", path, 'on_error = "skip"\n')) == (
+        "data.train: no rows left: all 2 rows were skipped (wrong type: 2); the first: data/all.jsonl:1: field "
+        "'messages' must be a list of messages, got a string; `ftcore validate --data PLAN` lists them")
 
 
 def test_cli_prints_the_one_line(tmp_path):

@@ -59,7 +59,9 @@ def test_alpaca_missing_output_names_it_lists_fields_and_suggests_the_mapping():
         convert({"instruction": "x", "answer": "y"})
     msg = str(info.value)
     assert "missing field 'output'" in msg and "(fields: instruction, answer)" in msg
-    assert 'columns = { output = "..." }' in msg and "format" in msg  # format was guessed: say how to set it
+    assert 'columns = { output = "answer" }' in msg and "format" in msg  # format was guessed: say how to set it
+    with pytest.raises(RowError, match=r'map it with columns = \{ output = "..." \}'):
+        convert({"instruction": "x", "zzz": "y"})  # no field looks like an answer
     assert info.value.field == "output" and info.value.reason == "missing_field"
 
 

@@ -87,56 +87,113 @@ def _in_the_plans_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # messages name the template file relative to it
 
 
-def validate(capsys, plan: Path, *flags: str) -> tuple[int, list[str]]:
+def validate(capsys, plan: Path, *flags: str) -> tuple[int, list[str], list[str]]:
+    """The exit code, stdout after the plan's OK line (the summary), and stderr (bad rows, warnings, notes)."""
     code = main(["validate", str(plan), *flags])
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
     assert out[0].startswith(f"{plan}: OK: ")
-    return code, out[1:]
+    return code, out[1:], captured.err.splitlines()
 
 
-def test_each_bad_row_is_one_line_and_the_run_would_stop(tmp_path, capsys, tokenizer_dir):
-    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ROWS), "--data")
+def test_each_bad_row_is_one_line_on_stderr_and_the_run_would_stop(tmp_path, capsys, tokenizer_dir):
+    code, out, err = validate(capsys, project(tmp_path, tokenizer_dir, ROWS), "--data")
     assert code == 2
-    assert out == [*(f"data.chat: {line}" for line in LINES), f"data.chat: {PLACEHOLDER}",
-                   "data: 9 rows read from 1 file(s) in 1 source(s); 5 bad (empty answer: 1, invalid json: 1, "
+    assert err == [*(f"data.chat: {line}" for line in LINES), f"data.chat: {PLACEHOLDER}"]
+    assert out == ["data: 9 rows read from 1 file(s) in 1 source(s); 5 bad (empty answer: 1, invalid json: 1, "
                    "missing field: 1, render error: 1, role order: 1); 5 would stop the run"]
 
 
 def test_without_the_flag_no_row_is_read(tmp_path, capsys, tokenizer_dir):
-    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ROWS))
-    assert (code, out) == (0, [])
+    code, out, err = validate(capsys, project(tmp_path, tokenizer_dir, ROWS))
+    assert (code, out, err) == (0, [], [])
 
 
 def test_under_skip_every_bad_row_is_reported_and_skipped_as_a_run_would(tmp_path, capsys, tokenizer_dir):
     source = 'on_error = "skip"\nplaceholders = "error"\n'
-    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ROWS, source), "--data")
+    code, out, err = validate(capsys, project(tmp_path, tokenizer_dir, ROWS, source), "--data")
     assert code == 0  # a run counts and skips them all, the unrenderable line 6 too
-    assert all(line.endswith(" (skipped)") for line in out[:-1])
-    assert out[3] == ("data.chat: data/chat.jsonl:5: 'messages[0].content' holds the template placeholder '{{name}}', "
+    assert len(err) == 6 and all(line.endswith(" (skipped)") for line in err)
+    assert err[3] == ("data.chat: data/chat.jsonl:5: 'messages[0].content' holds the template placeholder '{{name}}', "
                       "never filled in (set placeholders = \"allow\" in the source to train it as it is) (skipped)")
-    assert out[4] == f"data.chat: {LINES[3]} (skipped)"
-    assert out[-1] == ("data: 9 rows read from 1 file(s) in 1 source(s); 6 bad (empty answer: 1, invalid json: 1, "
-                       "missing field: 1, placeholder: 1, render error: 1, role order: 1); a run skips them all")
+    assert err[4] == f"data.chat: {LINES[3]} (skipped)"
+    assert out == ["data: 9 rows read from 1 file(s) in 1 source(s); 6 bad (empty answer: 1, invalid json: 1, "
+                   "missing field: 1, placeholder: 1, render error: 1, role order: 1); a run skips them all"]
 
 
 def test_clean_data_passes_and_a_source_with_nothing_left_fails(tmp_path, capsys, tokenizer_dir):
-    code, out = validate(capsys, project(tmp_path, tokenizer_dir, [GOOD] * 3), "--data")
-    assert (code, out) == (0, ["data: 3 rows read from 1 file(s) in 1 source(s); no bad rows"])
-    code, out = validate(capsys, project(tmp_path, tokenizer_dir, ['{"x"', '{"y"'], 'on_error = "skip"\n'), "--data")
-    assert code == 2 and out[2] == "data.chat: no rows left: all 2 rows would be skipped"
+    code, out, err = validate(capsys, project(tmp_path, tokenizer_dir, [GOOD] * 3), "--data")
+    assert (code, out, err) == (0, ["data: 3 rows read from 1 file(s) in 1 source(s); no bad rows"], [])
+    code, out, err = validate(capsys, project(tmp_path, tokenizer_dir, ['{"x"', '{"y"'], 'on_error = "skip"\n'),
+                              "--data")
+    assert code == 2 and err == ["data.chat: data/chat.jsonl:1 (and 1 more row(s) like it): invalid JSON: Expecting "
+                                 "':' delimiter (column 5) (skipped)",
+                                 "data.chat: no rows left: all 2 rows would be skipped"]
 
 
 def test_a_scratch_tokenizer_is_trained_as_the_run_trains_it(tmp_path, capsys):
     plan = project(tmp_path, "", [GOOD, {"messages": [u("boom"), a("ok")]}], model='tokenizer_data = ["chat"]')
-    code, out = validate(capsys, plan, "--data")
-    assert code == 2 and out[0] == f"data.chat: data/chat.jsonl:2: {LINES[3].split(': ', 1)[1]}"
+    code, out, err = validate(capsys, plan, "--data")
+    assert code == 2 and err[0] == f"data.chat: data/chat.jsonl:2: {LINES[3].split(': ', 1)[1]}"
     # When the tokenizer's data does not load, the rows are still converted and reported; not rendered.
-    code, out = validate(capsys, project(tmp_path, "", [GOOD, {"messages": [u("boom"), a("")]}],
-                                         model='tokenizer_data = ["chat"]'), "--data")
-    assert code == 2 and out[0].startswith("data.chat: data/chat.jsonl:2: 'messages[1]' is an assistant turn with "
+    code, out, err = validate(capsys, project(tmp_path, "", [GOOD, {"messages": [u("boom"), a("")]}],
+                                              model='tokenizer_data = ["chat"]'), "--data")
+    assert code == 2 and err[0].startswith("data.chat: data/chat.jsonl:2: 'messages[1]' is an assistant turn with "
                                            "empty content")
-    assert out[1].startswith("note: rows not rendered: the tokenizer is trained on data that does not load "
+    assert err[1].startswith("note: rows not rendered: the tokenizer is trained on data that does not load "
                              "(data.chat: data/chat.jsonl:2: 'messages[1]' is an assistant turn")
+
+
+def test_what_the_stages_trainer_refuses_is_refused_before_any_model_loads(tmp_path, capsys, tokenizer_dir):
+    """Rows that convert and render can still be data a trainer refuses: plain text given to sft, a conversation
+    with no answer. `validate --data` runs the stage trainer's own prepare_data (no weights), as `run` would."""
+    plan = project(tmp_path, tokenizer_dir, [{"text": "Hello there."}] * 3)
+    code, out, err = validate(capsys, plan, "--data")
+    assert code == 2 and len(err) == 1
+    assert err[0] == ("data.chat (data/chat.jsonl): trainer 'sft' (stage sft) needs chat rows (messages, Alpaca, "
+                      "ShareGPT, ...) or prompt/completion rows; this data has text; for plain text use trainer = "
+                      "\"pretrain\"")
+    assert out == ["data: 3 rows read from 1 file(s) in 1 source(s); no bad rows"]
+    code, _, err = validate(capsys, project(tmp_path, tokenizer_dir, [GOOD, {"messages": [u("Hi")]}]), "--data")
+    assert code == 2 and err == ["data.chat (data/chat.jsonl), row 2: 'messages' has no assistant turn, so trainer "
+                                 "'sft' has nothing to train on (roles: user); add the answer, or set "
+                                 "train_on_inputs = true to train on the whole conversation"]
+
+
+def test_data_no_stage_uses_is_named_and_evaluations_data_is_checked(tmp_path, capsys, tokenizer_dir):
+    plan = project(tmp_path, tokenizer_dir, [GOOD] * 2)
+    (tmp_path / "data" / "spare.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "data" / "held.jsonl").write_text(json.dumps({"messages": [u("Hi"), a("")]}) + "\n")
+    plan.write_text(plan.read_text() + '[data.spare]\nuse = "jsonl"\npath = "data/spare.jsonl"\n'
+                    '[data.held]\nuse = "jsonl"\npath = "data/held.jsonl"\n'
+                    '[[evaluate]]\nname = "ppl"\nuse = "perplexity"\ndata = "held"\n')
+    code, out, err = validate(capsys, plan, "--data")
+    assert err[0] == "note: data.spare is not checked: no stage or evaluation uses it"
+    assert err[1].startswith("data.held: data/held.jsonl:1: 'messages[1]' is an assistant turn with empty content")
+    assert code == 2 and out[-1].startswith("data: 3 rows read from 2 file(s) in 2 source(s); 1 bad")
+
+
+def test_rows_with_one_message_are_one_line_with_their_count_and_a_suggested_mapping(tmp_path, capsys,
+                                                                                    tokenizer_dir):
+    """25 rows of a format ftcore does not know, in a JSON array on one line: one line naming the first by its
+    index (not ':1' for each), the count, and the columns mapping their fields suggest."""
+    plan = project(tmp_path, tokenizer_dir, [GOOD])
+    rows = [{"question": f"q{i}", "response_j": f"good {i}", "response_k": f"bad {i}"} for i in range(25)]
+    (tmp_path / "data" / "se.json").write_text(json.dumps(rows))
+    plan.write_text(plan.read_text().replace('path = "data/chat.jsonl"', 'path = "data/se.json"'))
+    code, out, err = validate(capsys, plan, "--data")
+    assert code == 2
+    assert err == ["data.chat: data/se.json: row 1 (and 24 more row(s) like it): cannot tell the row's format from "
+                   "its fields (question, response_j, response_k); they look like preference pairs: set columns = "
+                   "{ prompt = \"question\", chosen = \"response_j\", rejected = \"response_k\" } in the source"]
+    assert out == ["data: 25 rows read from 1 file(s) in 1 source(s); 25 bad (unknown format: 25); 25 would stop "
+                   "the run"]
+
+
+def test_limit_stops_reading(tmp_path, capsys, tokenizer_dir):
+    rows = [GOOD] * 46 + ['{"messages": [}'] + [GOOD] * 3
+    code, out, err = validate(capsys, project(tmp_path, tokenizer_dir, rows, "limit = 10\n"), "--data")
+    assert (code, out, err) == (0, ["data: 10 rows read from 1 file(s) in 1 source(s); no bad rows"], [])
 
 
 def test_the_stages_data_mixes_expanded():

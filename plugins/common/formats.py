@@ -141,10 +141,18 @@ class _Ctx:
     def missing(self, field: str) -> RowError:
         if field in self.row and field not in self.columns:
             hint = f"(it is empty or null in this row; fields: {_fields(self.row)})"
+            # A file whose rows differ (read as one table, every row has every column, null where absent):
+            # this row's own fields may look like a known format.
+            suggested = suggest_columns({k: v for k, v in self.row.items() if v is not None})
+            if suggested is not None and field in suggested[1]:
+                hint += f"; they look like {suggested[0]}: set {columns_toml(suggested[1])} in the source"
         elif field in self.columns:
             hint = f"(mapped from the file's {self.columns[field]!r}, which is empty or absent in this row)"
         else:
-            hint = f"(fields: {_fields(self.row)}); map it with columns = {{ {field} = \"...\" }}"
+            ours = {"instruction": "prompt", "completion": "output"}.get(field, field)
+            theirs = _lookalike(self.row, ours, set()) if ours in LOOKALIKES else None
+            hint = f"(fields: {_fields(self.row)}); map it with " + (
+                columns_toml({field: theirs}) if theirs else f"columns = {{ {field} = \"...\" }}")
         if not self.explicit:
             hint += f" or set format = \"...\" (read as {self.fmt!r} from the fields)"
         return RowError(f"missing field {field!r} {hint}", "missing_field", field)
@@ -558,14 +566,75 @@ DETECTION = (
 def detect(row: Mapping) -> str:
     """The format of a row from its non-null fields; first match in :data:`DETECTION` wins.
     When none matches, the fields it has at all (null or not) decide, so that a row with an
-    empty cell is read as its columns say and then reported for the empty cell."""
+    empty cell is read as its columns say and then reported for the empty cell. A row that
+    matches none gets the mapping its fields suggest (:func:`suggest_columns`), if any."""
     for has in (_present, lambda r, f: f in r):
         for fmt, required, any_of in DETECTION:
             if all(has(row, f) for f in required) and (not any_of or any(has(row, f) for f in any_of)):
                 return fmt
+    suggested = suggest_columns(row)
+    if suggested is not None:
+        what, columns = suggested
+        raise RowError(f"cannot tell the row's format from its fields ({_fields(row)}); they look like {what}: "
+                       f"set {columns_toml(columns)} in the source", "unknown_format", None)
     raise RowError(f"cannot tell the row's format from its fields ({_fields(row)}); map them to our field "
                    f"names with columns = {{ <ours> = \"<theirs>\" }} (ours: {', '.join(FIELDS)}) or set "
                    f"format = \"...\" ({', '.join(FORMATS)})", "unknown_format", None)
+
+
+# Field names other projects give what our fields hold, most telling first (lower case). StackExchange
+# paired sets (response_j better than response_k), Anthropic HH, UltraFeedback, SQuAD-like QA, corpora.
+LOOKALIKES = {
+    "prompt": ("question", "query", "prompt_text", "instruction_text", "problem", "request", "context", "input_text",
+               "user", "human", "post", "history_text"),
+    "chosen": ("response_j", "chosen_response", "response_chosen", "chosen_answer", "preferred",
+               "preferred_response", "better", "better_response", "accepted", "accepted_answer", "winner", "good",
+               "positive", "pos"),
+    "rejected": ("response_k", "rejected_response", "response_rejected", "rejected_answer", "dispreferred",
+                 "dispreferred_response", "worse", "worse_response", "loser", "bad", "negative", "neg"),
+    "output": ("response", "answer", "answers", "reply", "solution", "target", "output_text", "completion_text",
+               "assistant", "gpt", "bot", "label_text"),
+    "text": ("content", "document", "body", "passage", "article", "raw_text", "sentence", "contents"),
+}
+
+
+def _lookalike(row: Mapping, ours: str, taken: set[str]) -> str | None:
+    names = {str(k).lower(): k for k in row if not str(k).startswith("__") and k not in taken}
+    return next((names[n] for n in LOOKALIKES[ours] if n in names), None)
+
+
+def suggest_columns(row: Mapping) -> tuple[str, dict[str, str]] | None:
+    """``(what the row looks like, columns = {ours: theirs})`` from field names other projects use
+    (:data:`LOOKALIKES`), or None: ``question``, ``response_j``, ``response_k`` look like preference
+    pairs, ``{prompt = "question", chosen = "response_j", rejected = "response_k"}``."""
+    taken: set[str] = set()
+
+    def find(ours: str) -> str | None:
+        found = _lookalike(row, ours, taken)
+        if found is not None:
+            taken.add(found)
+        return found
+
+    def pick(*fields: str) -> dict[str, str | None] | None:
+        """Each of ``fields`` (ours) found under its own name (None: no mapping needed) or a lookalike."""
+        taken.clear()
+        out = {ours: None if row.get(ours) is not None else find(ours) for ours in fields}
+        return out if all(row.get(k) is not None or v for k, v in out.items()) else None
+
+    for what, fields in (("preference pairs", ("prompt", "chosen", "rejected")),
+                         ("whole conversations as preference pairs", ("chosen", "rejected")),
+                         ("instructions and answers (Alpaca)", ("prompt", "output")),
+                         ("plain text", ("text",))):
+        found = pick(*fields)
+        if found is not None and any(found.values()):
+            renamed = {"prompt": "instruction"} if "output" in fields else {}
+            return what, {renamed.get(k, k): v for k, v in found.items() if v}
+    return None
+
+
+def columns_toml(columns: Mapping[str, str]) -> str:
+    """``columns = { prompt = "question", ... }``, as a plan writes it."""
+    return "columns = { " + ", ".join(f"{ours} = {json.dumps(str(theirs))}" for ours, theirs in columns.items()) + " }"
 
 
 # -- conversions --------------------------------------------------------------------------------------

@@ -1,16 +1,20 @@
-"""``ftcore validate --data PLAN``: every row the plan's stages train on, read, converted and
-rendered as a run would, without loading model weights.
+"""``ftcore validate --data PLAN``: every row the plan's stages and evaluations use, read, converted
+and rendered as a run would, then each stage's data prepared as the run prepares it, without loading
+model weights.
 
-Each row a run would reject is one line, ``data.<name>: FILE:LINE: message``, as the data
-sources report it (``(skipped)`` at the end when the source's ``on_error = "skip"`` would
-drop it); then one summary line. :func:`check_plan_data` returns the exit code: 2 when a
-run would stop on a row (a bad row under ``on_error = "error"``, a row the chat template
-cannot render among them, a source with no row left), else 0.
+Each row a run would reject is one line on stderr, ``data.<name>: FILE:LINE: message``, as the data
+sources report it (``(skipped)`` at the end when the source's ``on_error = "skip"`` would drop it);
+rows of a file with the same message are one line with their count. Then each stage's trainer prepares
+its data (``prepare_data``, as ``ftcore prepare`` does: what the run would refuse, such as plain text
+given to ``sft`` or a conversation without an answer, is refused here, and the tokenized data waits in
+the cache for the run), and one summary line goes to stdout. :func:`check_plan_data` returns the exit
+code: 2 when a run would stop on the data (a bad row under ``on_error = "error"``, a row the chat
+template cannot render among them, a source with no row left, a stage's data its trainer refuses), else 0.
 
-Rendering goes through :func:`ftcore_plugins.common.chat.row_samples`, the function a
-run's tokenization uses, with the plan's template and the model's tokenizer (loaded from
-its folder; a ``scratch`` model's is trained on its ``tokenizer_data`` as the run does).
-Preference rows are converted and checked, not rendered.
+Rendering goes through :func:`ftcore_plugins.common.chat.row_samples`, the function a run's
+tokenization uses, with the plan's template and the model's tokenizer (loaded from its folder; a
+``scratch`` model's is trained on its ``tokenizer_data`` as the run does). Preference rows are
+converted and checked, not rendered; an evaluation's rows are rendered whole.
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ class _Quiet(Reporter):
 
 @dataclass
 class Report:
-    """What the check found: bad rows by reason, lines to print, whether a run would stop."""
+    """What the check found: bad rows by reason, lines to print (``err``: bad rows, warnings and notes;
+    ``out``: the summary), whether a run would stop."""
 
     out: TextIO
+    err: TextIO
     rows: int = 0
     sources: int = 0
     files: int = 0
@@ -58,11 +64,17 @@ class Report:
     fatal: int = 0
     notes: list[str] = field(default_factory=list)
 
-    def bad(self, prefix: str, where: str, message: str, reason: str, fatal: bool) -> None:
-        """One bad row, as the data sources report it."""
-        self.reasons[reason] += 1
-        self.fatal += fatal
-        print(f"{prefix}: {where}: {_one_line(message)}{'' if fatal else ' (skipped)'}", file=self.out)
+    def bad(self, prefix: str, where: str, message: str, reason: str, fatal: bool, count: int = 1) -> None:
+        """Bad rows with one message, as the data sources report them: ``count`` rows, the first at ``where``."""
+        self.reasons[reason] += count
+        self.fatal += count if fatal else 0
+        more = f" (and {count - 1:,} more row(s) like it)" if count > 1 else ""
+        print(f"{prefix}: {where}{more}: {_one_line(message)}{'' if fatal else ' (skipped)'}", file=self.err)
+
+    def stop(self, message: str) -> None:
+        """A problem a run would stop on that is not a row's (a stage's data its trainer refuses)."""
+        self.fatal += 1
+        print(_one_line(message), file=self.err)
 
     def summary(self) -> str:
         bad = sum(self.reasons.values())
@@ -72,6 +84,25 @@ class Report:
         reasons = ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in sorted(self.reasons.items()))
         stop = f"{self.fatal:,} would stop the run" if self.fatal else "a run skips them all"
         return text + f"{bad:,} bad ({reasons}); {stop}"
+
+
+def evaluation_data(plan: Any) -> set[str]:
+    """The data names the evaluations use (a mix's sources in its place)."""
+    names: set[str] = set()
+
+    def add(ref: str, seen: tuple[str, ...] = ()) -> None:
+        name = ref.partition(":")[0]
+        sources = getattr(plan.data[name].options, "sources", None)
+        if isinstance(sources, dict) and name not in seen:
+            for sub in sources:
+                add(sub, (*seen, name))
+            return
+        names.add(name)
+
+    for evaluation in getattr(plan, "evaluations", ()):
+        if evaluation.data:
+            add(evaluation.data)
+    return names
 
 
 def stage_data(plan: Any) -> dict[str, bool]:
@@ -127,15 +158,23 @@ def plan_tokenizer(plan: Any, load_data: Any) -> tuple[Any, str | None]:
 
 
 def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
-    """Check every row of the data the plan's stages use; print the bad ones and a summary.
-    Returns 2 when a run would stop on the data, else 0."""
+    """Check every row of the data the plan's stages and evaluations use, then prepare each stage's
+    data as the run does; print the bad rows (stderr) and a summary (stdout). ``out``: one stream for
+    both. Returns 2 when a run would stop on the data, else 0."""
     from ftcore_plugins.common.chat import row_samples
-    from ftcore_plugins.common.spans import SpanLocator
+    from ftcore_plugins.common.prepare import template_notes
+    from ftcore_plugins.common.spans import SpanLocator, template_title
 
-    report = Report(out or sys.stdout)
+    report = Report(out or sys.stdout, out or sys.stderr)
     names = stage_data(plan)
-    if not names:
-        print("data: no stage uses data; nothing to check", file=report.out)
+    evaluated = {n: True for n in evaluation_data(plan) if n not in names}  # rendered whole
+    tokenizer_data = set(getattr(getattr(plan.model, "options", None), "tokenizer_data", None) or ())
+    for name in plan.data:
+        if name not in names and name not in evaluated and not _mix(plan, name):
+            why = "read only to train the tokenizer" if name in tokenizer_data else "no stage or evaluation uses it"
+            print(f"note: data.{name} is not checked: {why}", file=report.err)
+    if not names and not evaluated:
+        print("data: no stage or evaluation uses data; nothing to check", file=report.out)
         return 0
     reporter = _Quiet()
     run = RunInfo(plan, plan.run_dir)
@@ -154,18 +193,73 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
             report.notes.append(note)
         template = plan.template.create()
         locator = SpanLocator(template, tokenizer)  # one for all rows: what it learns of the template is kept
+        title = template_title(template)
 
         def render(row: dict, train_on_inputs: bool) -> None:
-            row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs, add_eos_to_text=True,
-                        locator=locator)
+            try:
+                row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs, add_eos_to_text=True,
+                            locator=locator)
+            except FtcoreError as exc:
+                message = str(exc)
+                raise FtcoreError(message if message.startswith("template ") else f"{title}: {message}") from None
 
-        for name, train_on_inputs in names.items():
+        for name, train_on_inputs in {**names, **evaluated}.items():
             ctx = DataContext(run, reporter, name, load_data)
             _check_source(plan.data[name], ctx, report, render if tokenizer is not None else None, train_on_inputs)
+        for line in template_notes({"end_token_added": locator.closed_by_us,
+                                    "reasoning_dropped": locator.dropped_reasoning}, template, tokenizer):
+            print(f"warning: {line}", file=report.err)
+    if not report.fatal and names:
+        _prepare_stages(plan, report)
     for line in report.notes:
-        print(f"note: {line}", file=report.out)
+        print(f"note: {line}", file=report.err)
     print(report.summary(), file=report.out)
     return 2 if report.fatal else 0
+
+
+def _mix(plan: Any, name: str) -> bool:
+    """Whether ``name`` is a mix (its sources are checked in its place)."""
+    return isinstance(getattr(plan.data[name].options, "sources", None), dict)
+
+
+def _prepare_stages(plan: Any, report: Report) -> None:
+    """Each stage's data prepared as the run prepares it (``ftcore prepare``): the stage trainer's own
+    ``prepare_data`` on the run's tokenizer (the template's tokens added to a model on the meta device,
+    no weights read) refuses what the run would, before any model loads; what it tokenizes is cached
+    for the run. A trainer without ``prepare_data`` (dpo, kto, the online ones) reads its rows as it
+    trains: its rows were converted above."""
+    from ftcore.errors import ComponentError
+    from ftcore.plugins import get_plugin_manager
+    from ftcore.runner import Runner, calling
+
+    runner = Runner(plan, get_plugin_manager(), None)
+    runner.reporter = runner.info.reporter = _Quiet()
+    loader = plan.model.create()
+    if not (hasattr(loader, "load_tokenizer") and hasattr(loader, "meta_model")):
+        report.notes.append(f"stages' data not prepared: model '{plan.model.name}' cannot give its tokenizer "
+                            "without its weights")
+        return
+    try:
+        with _quiet_datasets():
+            model, tokenizer = runner.data_tokenizer()
+    except (FtcoreError, ComponentError) as exc:
+        report.notes.append(f"stages' data not prepared: {_one_line(str(exc))}")
+        return
+    for stage in plan.stages:
+        trainer = stage.trainer.create()
+        if not hasattr(trainer, "prepare_data"):
+            report.notes.append(f"stage {stage.name}: trainer '{stage.trainer.name}' tokenizes its rows as it "
+                                "trains; they were converted, not prepared")
+            continue
+        try:
+            with _quiet_datasets():
+                ctx = runner.data_context(stage, model, tokenizer)
+                if not hasattr(ctx.train_data, "__len__"):  # a streaming source: read as the stage trains
+                    continue
+                with calling(stage.trainer, "prepare_data"):
+                    trainer.prepare_data(ctx)
+        except (FtcoreError, ComponentError) as exc:
+            report.stop(str(exc))
 
 
 def _check_source(sel: Any, ctx: DataContext, report: Report, render: Any, train_on_inputs: bool) -> None:
@@ -178,7 +272,7 @@ def _check_source(sel: Any, ctx: DataContext, report: Report, render: Any, train
         unit = Unit(prefix, rows=[dict(r) for r in data], locate_many=lambda idx: {i: f"row {i + 1}" for i in idx})
         report.rows += len(unit)
         _, bad = _check_unit(unit, "auto", {}, "allow", "error", [None], render, train_on_inputs, [0, None])
-        for args in bad:
+        for args in _grouped(unit, [], bad):
             report.bad(prefix, *args)
         return
     o = sel.options
@@ -188,41 +282,52 @@ def _check_source(sel: Any, ctx: DataContext, report: Report, render: Any, train
     fmt = component._fixed_format()
     columns = dict(getattr(o, "columns", {}))
     placeholders = getattr(o, "placeholders", "allow")
-    remaining = getattr(o, "limit", None)
     kind: list[str | None] = [None]
     found: list = [0, None]
     kept = read = 0
-    for unit in component._checked_units(ctx, prefix):
-        if remaining is not None and remaining <= 0:
-            break
-        if remaining is not None:
-            unit.limit(remaining)
+    fatal_before = report.fatal
+    for unit in component._checked_units(ctx, prefix, getattr(o, "limit", None)):
         n = len(unit) + len(unit.rejected)
         report.files += 1
         if n == 0:
             report.bad(prefix, unit.shown, "no rows (an empty file?)", "empty_file", True)
             continue
         read += n
-        if remaining is not None:
-            remaining -= n
         rejected = [(where, str(err), err.reason, on_error == "error" and err.reason not in F.ALWAYS_SKIP)
                     for where, err in unit.rejected]
         good, bad = _check_unit(unit, fmt, columns, placeholders, on_error, kind, render, train_on_inputs, found)
         kept += good
-        for args in sorted(rejected + bad, key=_place) if rejected else bad:  # in file order
+        for args in _grouped(unit, rejected, bad):
             report.bad(prefix, *args)
     report.rows += read
     if found[0]:
-        print(f"{prefix}: warning: {placeholder_warning(*found)}", file=report.out)
-    if read and not kept:
-        report.fatal += 1
-        print(f"{prefix}: no rows left: all {read:,} rows would be skipped", file=report.out)
+        print(f"{prefix}: warning: {placeholder_warning(*found)}", file=report.err)
+    if read and not kept and report.fatal == fatal_before:  # all skipped (bad rows that stop the run said so)
+        report.stop(f"{prefix}: no rows left: all {read:,} rows would be skipped")
+
+
+def _grouped(unit: Unit, rejected: list[tuple[str, str, str, bool]],
+             bad: list[tuple[int, str, str, bool]]) -> list[tuple[str, str, str, bool, int]]:
+    """A unit's bad rows in file order, those with one message together: ``(where the first is, message,
+    reason, stops the run, how many)``. Only each group's first row is located."""
+    groups: dict[tuple, list] = {}
+    for i, message, reason, fatal in bad:
+        key = (_one_line(message), reason, fatal)
+        groups.setdefault(key, [i, 0])[1] += 1
+    where = unit.locate([first for first, _ in groups.values()]) if groups else {}
+    entries = [(where[first], *key, count) for key, (first, count) in groups.items()]
+    taken: dict[tuple, list] = {}
+    for place, message, reason, fatal in rejected:
+        key = (_one_line(message), reason, fatal)
+        taken.setdefault(key, [place, 0])[1] += 1
+    entries += [(place, *key, count) for key, (place, count) in taken.items()]
+    return sorted(entries, key=_place) if rejected else entries
 
 
 def _check_unit(unit: Unit, fmt: str, columns: dict, placeholders: str, on_error: str, kind: list, render: Any,
-                train_on_inputs: bool, found: list) -> tuple[int, list[tuple[str, str, str, bool]]]:
+                train_on_inputs: bool, found: list) -> tuple[int, list[tuple[int, str, str, bool]]]:
     """Convert (and render) each row of one unit. Returns the rows a run would keep and the bad
-    ones as ``(where, message, reason, stops the run)``. ``kind[0]`` is the source's kind, set
+    ones as ``(row index, message, reason, stops the run)``. ``kind[0]`` is the source's kind, set
     by its first good row; ``found`` counts the rows holding placeholders (and the first)."""
     bad: list[tuple[int, str, str, bool]] = []  # (index, message, reason, stops the run)
     kept = 0
@@ -247,8 +352,7 @@ def _check_unit(unit: Unit, fmt: str, columns: dict, placeholders: str, on_error
                 bad.append((i, f"cannot render with the template: {message}", "render_error", on_error == "error"))
                 continue
         kept += 1
-    where = unit.locate([i for i, *_ in bad]) if bad else {}
-    return kept, [(where[i], message, reason, fatal) for i, message, reason, fatal in bad]
+    return kept, bad
 
 
 def _rows(unit: Unit) -> Any:

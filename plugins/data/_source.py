@@ -152,6 +152,10 @@ class Unit:
         return list(dict.fromkeys(k for r in self.rows or [] for k in r))
 
     def limit(self, n: int) -> None:
+        """At most ``n`` rows, rejected ones counted first (a reader that stops at its budget already
+        read no more)."""
+        self.rejected = self.rejected[:n]
+        n -= len(self.rejected)
         if len(self) <= n:
             return
         if self.dataset is not None:
@@ -165,6 +169,55 @@ class Unit:
         if self.locate_many is not None:
             return self.locate_many(indices)
         return {i: f"{self.shown}: row {i + 1}" for i in indices}
+
+
+class SkippedRows:
+    """The skipped rows a source shows: its first :data:`SHOWN_ERRORS` different messages, each once,
+    where it first occurred and how many rows share it (25 rows of one unknown format are one line),
+    reasons in ``silent`` left out."""
+
+    def __init__(self, silent: tuple[str, ...] = ()):
+        self.silent = silent
+        self.places: dict[str, str] = {}  # message -> where it first occurred
+        self.counts: Counter = Counter()
+
+    def add(self, where: str, err: F.RowError) -> None:
+        message = self._message(err)
+        if message is not None and (message in self.places or len(self.places) < SHOWN_ERRORS):
+            self.places.setdefault(message, where)
+            self.counts[message] += 1
+
+    def add_located(self, errors: list[tuple[int, F.RowError]], unit: Unit) -> None:
+        """``(row index, error)`` pairs of ``unit``: only the rows shown are located."""
+        new: dict[str, int] = {}
+        for i, err in errors:
+            message = self._message(err)
+            if message is None:
+                continue
+            if message in self.places or message in new:
+                self.counts[message] += 1
+            elif len(self.places) + len(new) < SHOWN_ERRORS:
+                new[message] = i
+                self.counts[message] += 1
+        where = unit.locate(list(new.values())) if new else {}
+        for message, i in new.items():
+            self.places[message] = where[i]
+
+    def _message(self, err: F.RowError) -> str | None:
+        return None if err.reason in self.silent else _one_line(str(err))
+
+    def first(self) -> str | None:
+        return next((f"{where}: {message}" for message, where in self.places.items()), None)
+
+    def lines(self) -> list[str]:
+        out = []
+        for message, where in self.places.items():
+            more = self.counts[message] - 1
+            out.append(f"{where}: {message} (skipped{f'; {more:,} more row(s) like it' if more else ''})")
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.places)
 
 
 def _rows_of(shown: str) -> Callable[[list[int]], dict[int, str]]:
@@ -183,6 +236,9 @@ class RowSource(Component):
     Options = RowOptions
     stats: dict[str, Any]
     silent_skips: tuple[str, ...] = ()  # reasons counted in stats but not warned about
+    # While a unit is read under `limit`: the rows left to read (rejected ones count); None: no limit.
+    # A reader that can stop early reads no further (the built-in file readers and FileSource do).
+    row_budget: int | None = None
 
     def _units(self, ctx: Any) -> Iterator[Unit]:
         raise NotImplementedError
@@ -225,31 +281,20 @@ class RowSource(Component):
         self.stats = stats
         skipped: Counter = Counter()
         formats: Counter = Counter()
-        shown_errors: list[str] = []
+        shown_errors = SkippedRows(self.silent_skips)
         placeholders: list = [0, None]  # rows holding one, and the first as "file:line: ..."
         parts, kind, first_shown = [], None, None
-        remaining = getattr(o, "limit", None)
 
-        def reject(where: str, err: F.RowError) -> None:
-            skipped[err.reason] += 1
-            if len(shown_errors) < SHOWN_ERRORS and err.reason not in self.silent_skips:
-                shown_errors.append(f"{where}: {err}")
-
-        for unit in self._checked_units(ctx, prefix):
-            if remaining is not None and remaining <= 0:
-                break
+        for unit in self._checked_units(ctx, prefix, getattr(o, "limit", None)):
             for where, err in unit.rejected:
                 if on_error == "error":
                     raise FtcoreError(f"{prefix}: {where}: {_one_line(str(err))}")
-                reject(where, err)
-            if remaining is not None:
-                unit.limit(remaining)
+                skipped[err.reason] += 1
+                shown_errors.add(where, err)
             n_read = len(unit) + len(unit.rejected)
             if n_read == 0:
                 raise FtcoreError(f"{prefix}: {unit.shown}: no rows (an empty file?)")
             stats["rows_read"] += n_read
-            if remaining is not None:
-                remaining -= n_read
             if not len(unit):  # every row was rejected while reading
                 stats["files"].append({"path": unit.shown, "rows_read": n_read, "rows": 0})
                 continue
@@ -275,13 +320,9 @@ class RowSource(Component):
                 if fatal is not None:
                     i, err = fatal
                     raise FtcoreError(f"{prefix}: {unit.locate([i])[i]}: {_one_line(str(err))}")
-                show = [e for e in errors if e[1].reason not in self.silent_skips][: SHOWN_ERRORS]
-                where = unit.locate([i for i, _ in show])
                 for i, err in errors:
                     skipped[err.reason] += 1
-                for i, err in show:
-                    if len(shown_errors) < SHOWN_ERRORS:
-                        shown_errors.append(f"{where[i]}: {err}")
+                shown_errors.add_located(errors, unit)
             out = out.remove_columns([F.ERROR_COLUMN, F.FORMAT_COLUMN])
             stats["files"].append({"path": unit.shown, "rows_read": n_read, "rows": len(out)})
             parts.append(out)
@@ -290,18 +331,23 @@ class RowSource(Component):
         stats["formats"] = dict(sorted(formats.items()))
         total_skipped = sum(skipped.values())
         reasons = ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in stats["skipped"].items())
-        for line in shown_errors:
-            ctx.reporter.warn(f"{prefix}: {_one_line(line)} (skipped)")
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            # Bad input is one line: the count, the reasons and the first row, not a warning per row first.
+            first = shown_errors.first()
+            raise FtcoreError(f"{prefix}: no rows left: all {stats['rows_read']:,} rows were skipped ({reasons})"
+                              + (f"; the first: {first}" if first else "")
+                              + "; `ftcore validate --data PLAN` lists them" if total_skipped else f"{prefix}: no rows")
+        if shown_errors:
+            stats["skipped_first"] = shown_errors.lines()  # the data report's copy of the warnings below
+        for line in shown_errors.lines():
+            ctx.reporter.warn(f"{prefix}: {line}")
         if placeholders[0]:
             stats["placeholder_rows"] = placeholders[0]
             ctx.reporter.warn(f"{prefix}: {placeholder_warning(*placeholders)}")
         loud = sum(v for k, v in skipped.items() if k not in self.silent_skips)
         if loud:
             ctx.reporter.warn(f"{prefix}: skipped {total_skipped:,} of {stats['rows_read']:,} rows ({reasons})")
-        parts = [p for p in parts if len(p)]
-        if not parts:
-            raise FtcoreError(f"{prefix}: no rows left: all {stats['rows_read']:,} rows were skipped ({reasons})"
-                              if total_skipped else f"{prefix}: no rows")
         stats["kind"] = kind
         if len(parts) > 1:
             base = parts[0].features
@@ -324,10 +370,14 @@ class RowSource(Component):
                           f"from {where}")
         return ds
 
-    def _checked_units(self, ctx: Any, prefix: str) -> Iterator[Unit]:
-        """The units, with a reader's FtcoreError given the source's prefix."""
+    def _checked_units(self, ctx: Any, prefix: str, limit: int | None = None) -> Iterator[Unit]:
+        """The units, with a reader's FtcoreError given the source's prefix. With ``limit``, at most
+        that many rows over all units (rows a reader rejects count): a reader stops reading there
+        (``row_budget``), so nothing after it is read, a bad row neither."""
         units = self._units(ctx)
-        while True:
+        remaining = limit
+        while remaining is None or remaining > 0:
+            self.row_budget = remaining
             try:
                 unit = next(units)
             except StopIteration:
@@ -335,6 +385,11 @@ class RowSource(Component):
             except FtcoreError as exc:
                 msg = _one_line(str(exc))
                 raise FtcoreError(msg if msg.startswith(f"{prefix}: ") else f"{prefix}: {msg}") from None
+            finally:
+                self.row_budget = None
+            if remaining is not None:
+                unit.limit(remaining)
+                remaining -= len(unit) + len(unit.rejected)
             yield unit
 
     # -- steps -------------------------------------------------------------------------------------
@@ -478,10 +533,10 @@ class FileSource(RowSource):
 
         feats = datasets.Features({**F.features(kind), **{k: raw.features[k] for k in o.keep}}) \
             if raw.features is not None else datasets.Features(F.features(kind))
+        if o.limit is not None:  # before the conversion: a bad row after the limit is never read
+            raw = raw.take(o.limit)
         rows = raw.map(convert, batched=True, batch_size=MAP_BATCH, with_indices=True,
                        remove_columns=list(raw.column_names or first), features=feats)
-        if o.limit is not None:
-            rows = rows.take(o.limit)
         self.stats = {"source": self.name, "kind": kind, "streaming": True,
                       "files": [{"path": _shown(f, ctx)} for f in files]}
         ctx.reporter.info(f"data [bold]{ctx.name}[/]: streaming {kind.replace('_', ' ')} rows from {shown}")
@@ -718,9 +773,10 @@ def _strip_bom(data: bytes) -> bytes:
     return data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
 
 
-def json_array_lines(text: str) -> tuple[list[Any], list[int]]:
-    """Parse a JSON array, returning its elements and the line each starts on.
-    Raises ``json.JSONDecodeError`` with the exact place of the first problem."""
+def json_array_lines(text: str, limit: int | None = None) -> tuple[list[Any], list[int]]:
+    """Parse a JSON array, returning its elements and the line each starts on (with ``limit``, its
+    first ``limit`` elements: the rest is not read). Raises ``json.JSONDecodeError`` with the exact
+    place of the first problem."""
     dec = json.JSONDecoder()
     ws = " \t\n\r"
     n = len(text)
@@ -753,6 +809,8 @@ def json_array_lines(text: str) -> tuple[list[Any], list[int]]:
             raise json.JSONDecodeError("Expecting value", text, n)
         values.append(value)
         lines.append(line)
+        if limit is not None and len(values) >= limit:
+            return values, lines
         pos = skip(pos)
         if pos < n and text[pos] == ",":
             pos += 1
@@ -773,71 +831,103 @@ def _json_error(shown: str, exc: json.JSONDecodeError, text: str | None = None, 
     return f"{where}: invalid JSON: {exc.msg} (column {exc.colno}){hint}"
 
 
-def read_json_python(path: Path, shown: str, skip: bool) -> Unit:
-    """Read a JSON array or JSON Lines file in Python, line by line, for exact errors."""
-    data = _strip_bom(path.read_bytes())
+def read_json_python(path: Path, shown: str, skip: bool, limit: int | None = None) -> Unit:
+    """Read a JSON array or JSON Lines file in Python, line by line, for exact errors. With ``limit``,
+    at most that many rows (rejected ones count): JSON Lines are read no further than that.
+    The elements of an array written on one line are numbered by index (``file: row 5``)."""
     unit = Unit(shown)
-    head = data.lstrip()[:1]
-    if not head:
+    with path.open("rb") as fh:
+        start = _strip_bom(fh.read(1 << 16))
+        head = start.lstrip()[:1]
+    if not head and len(start) < (1 << 16) - len(codecs.BOM_UTF8):
         raise FtcoreError(f"{shown}: empty file")
-    if head == b"[":
+    if head == b"[" or not head:
+        data = _strip_bom(path.read_bytes())
+        if not data.strip():
+            raise FtcoreError(f"{shown}: empty file")
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise FtcoreError(_decode_error(data, exc, shown)) from None
         try:
-            values, lines = json_array_lines(text)
+            values, lines = json_array_lines(text, limit)
         except json.JSONDecodeError as exc:
             raise FtcoreError(_json_error(shown, exc, text)) from None
-        rows, row_lines = [], []
-        for value, line in zip(values, lines):
-            if not _is_object(value, f"{shown}:{line}", unit, skip):
+        places = _array_places(shown, lines)
+        rows, kept = [], []
+        for k, value in enumerate(values):
+            if _is_object(value, places[k], unit, skip):
+                rows.append(value)
+                kept.append(k)
+        unit.rows = rows
+        if len(set(lines)) == len(lines):
+            unit.lines = [lines[k] for k in kept]
+        else:
+            unit.locate_many = lambda indices: {i: places[kept[i]] for i in indices}
+        return unit
+    if head == b"{":
+        single = _one_object(path, start)
+        if single is not None:
+            unit.rows, unit.lines = [single], [1]
+            return unit
+    rows, row_lines = [], []
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if limit is not None and len(rows) + len(unit.rejected) >= limit:
+                break
+            if lineno == 1:
+                raw = _strip_bom(raw)
+            if not raw.strip():
+                continue
+            line = _decode_line(raw[:-1] if raw.endswith(b"\n") else raw, lineno, shown, unit, skip)
+            if line is None:
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                message = f"invalid JSON: {exc.msg} (column {exc.colno})"
+                if not skip:
+                    raise FtcoreError(f"{shown}:{lineno}: {message}") from None
+                unit.rejected.append((f"{shown}:{lineno}", F.RowError(message, "invalid_json")))
+                continue
+            if not _is_object(value, f"{shown}:{lineno}", unit, skip):
                 continue
             rows.append(value)
-            row_lines.append(line)
-        unit.rows, unit.lines = rows, row_lines
-        return unit
-    if head == b"{" and data.count(b"\n", 0, len(data.rstrip())) > 0:
-        try:  # one object over several lines
-            value = json.loads(data.decode("utf-8"))
-            if isinstance(value, dict):
-                unit.rows, unit.lines = [value], [1]
-                return unit
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            pass
-    rows, row_lines = [], []
-    offset = 0
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
-        start, offset = offset, offset + len(raw) + 1
-        if not raw.strip():
-            continue
-        line = _decode_line(raw, data, start, shown, lineno, unit, skip)
-        if line is None:
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as exc:
-            message = f"invalid JSON: {exc.msg} (column {exc.colno})"
-            if not skip:
-                raise FtcoreError(f"{shown}:{lineno}: {message}") from None
-            unit.rejected.append((f"{shown}:{lineno}", F.RowError(message, "invalid_json")))
-            continue
-        if not _is_object(value, f"{shown}:{lineno}", unit, skip):
-            continue
-        rows.append(value)
-        row_lines.append(lineno)
+            row_lines.append(lineno)
     unit.rows, unit.lines = rows, row_lines
     return unit
 
 
-def _decode_line(raw: bytes, data: bytes, start: int, shown: str, lineno: int, unit: Unit,
-                 skip: bool) -> str | None:
+def _array_places(shown: str, lines: list[int]) -> list[str]:
+    """Where each element of a JSON array is: ``file:line`` when each starts on a line of its own,
+    else ``file: row n`` (an array written on one line would put every row at ``:1``)."""
+    if len(set(lines)) == len(lines):
+        return [f"{shown}:{line}" for line in lines]
+    return [f"{shown}: row {k + 1}" for k in range(len(lines))]
+
+
+def _one_object(path: Path, start: bytes) -> dict | None:
+    """The file's one JSON object written over several lines (a pretty-printed row), or None."""
+    first = start.split(b"\n", 1)[0]
+    try:
+        json.loads(first)
+        return None  # the first line is a whole row: JSON Lines
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    try:
+        value = json.loads(_strip_bom(path.read_bytes()).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _decode_line(raw: bytes, lineno: int, shown: str, unit: Unit, skip: bool) -> str | None:
     """One line as text; a line that is not UTF-8 is an error naming where, or rejected when skipping."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        full = UnicodeDecodeError(exc.encoding, data, start + exc.start, start + exc.end, exc.reason)
-        message = _decode_error(data, full, shown)
+        message = (f"{shown}:{lineno}: not UTF-8 text ({exc.reason}: byte 0x{raw[exc.start]:02x} at column "
+                   f"{exc.start + 1}); save the file as UTF-8")
         if not skip:
             raise FtcoreError(message) from None
         unit.rejected.append((f"{shown}:{lineno}", F.RowError(message.split(": ", 1)[1], "not_utf8")))
@@ -865,8 +955,8 @@ def json_locator(path: Path, shown: str) -> Callable[[list[int]], dict[int, str]
         if data.lstrip()[:1] == b"[":
             try:
                 _, lines = json_array_lines(data.decode("utf-8"))
-                return {i: f"{shown}:{lines[i]}" for i in indices if i < len(lines)} | \
-                    {i: f"{shown}: row {i + 1}" for i in indices if i >= len(lines)}
+                places = _array_places(shown, lines)
+                return {i: places[i] if i < len(places) else f"{shown}: row {i + 1}" for i in indices}
             except (ValueError, UnicodeDecodeError):
                 return {i: f"{shown}: row {i + 1}" for i in indices}
         row = -1
@@ -891,9 +981,10 @@ def csv_header(path: Path, delimiter: str = ",") -> list[str] | None:
         return None
 
 
-def read_csv_python(path: Path, shown: str, skip: bool, delimiter: str = ",") -> Unit:
+def read_csv_python(path: Path, shown: str, skip: bool, delimiter: str = ",", limit: int | None = None) -> Unit:
     """Read a CSV file in Python for exact errors: rows are counted after the header, blank
-    lines not counted (as pandas does); a row with more fields than the header is bad."""
+    lines not counted (as pandas does); a row with more fields than the header is bad. With
+    ``limit``, at most that many rows (rejected ones count) are read."""
     data = _strip_bom(path.read_bytes())
     try:
         text = data.decode("utf-8")
@@ -910,7 +1001,7 @@ def read_csv_python(path: Path, shown: str, skip: bool, delimiter: str = ",") ->
     rows: list[dict] = []
     rowno, prev_line = 0, reader.line_num
     row_numbers: list[int] = []
-    while True:
+    while limit is None or len(rows) + len(unit.rejected) < limit:
         try:
             rec = next(reader)
         except StopIteration:
@@ -944,9 +1035,23 @@ def read_csv_python(path: Path, shown: str, skip: bool, delimiter: str = ",") ->
     return unit
 
 
-def read_text_python(path: Path, shown: str, unit_by: str, skip: bool) -> Unit:
-    data = _strip_bom(path.read_bytes())
+def read_text_python(path: Path, shown: str, unit_by: str, skip: bool, limit: int | None = None) -> Unit:
+    """A text file's rows in Python (each file, or each line, one row), for exact errors; with
+    ``limit``, lines are read no further than that many rows."""
     unit = Unit(shown)
+    if unit_by == "line":
+        rows, lines = [], []
+        with path.open("rb") as fh:
+            for lineno, raw in enumerate(fh, 1):
+                if limit is not None and len(rows) + len(unit.rejected) >= limit:
+                    break
+                line = _decode_line(_strip_bom(raw) if lineno == 1 else raw, lineno, shown, unit, skip)
+                if line is not None:
+                    rows.append({"text": line.rstrip("\n").rstrip("\r")})
+                    lines.append(lineno)
+        unit.rows, unit.lines = rows, lines
+        return unit
+    data = _strip_bom(path.read_bytes())
     if unit_by == "file":
         try:
             unit.rows, unit.lines = [{"text": data.decode("utf-8")}], [1]
@@ -955,20 +1060,6 @@ def read_text_python(path: Path, shown: str, unit_by: str, skip: bool) -> Unit:
                 raise FtcoreError(_decode_error(data, exc, shown)) from None
             unit.rejected.append((shown, F.RowError(_decode_error(data, exc, shown).split(": ", 1)[1], "not_utf8")))
             unit.rows, unit.lines = [], []
-        return unit
-    rows, lines = [], []
-    offset = 0
-    for lineno, raw in enumerate(data.split(b"\n"), 1):
-        start, offset = offset, offset + len(raw) + 1
-        if lineno > 1 and raw == b"" and offset > len(data):
-            break  # the newline at the end
-        line = _decode_line(raw, data, start, shown, lineno, unit, skip)
-        if line is None:
-            continue
-        line = line.rstrip("\r")
-        rows.append({"text": line})
-        lines.append(lineno)
-    unit.rows, unit.lines = rows, lines
     return unit
 
 

@@ -12,7 +12,8 @@ that yields the file's raw rows as dicts. The base does the rest, as for the bui
   ``read_rows`` gives line numbers, else ``file: row n``;
 * ``placeholders = "warn" | "error" | "allow"``: message text still holding a template
   slot such as ``{{name}}`` is warned about once, rejected as a bad row, or let through;
-* ``limit``, the filters (``min_chars``, ``max_chars``, ``drop_non_text``), ``dedup`` and a
+* ``limit`` (``read_rows`` is not asked for a row past it), the filters (``min_chars``,
+  ``max_chars``, ``drop_non_text``), ``dedup`` and a
   ``validation`` split (``split_strategy``, ``split_by``, ``seed``);
 * the data report: the base sets ``self.stats`` (rows read, kept, skipped per reason,
   dropped by each filter); a subclass does not.
@@ -73,19 +74,22 @@ class FileSource(_FileSource):
         unit = Unit(shown, strings=self.strings)
         rows: list[dict] = []
         lines: list[int | None] = []
+        budget = self.row_budget  # `limit`: the rows left to read; read_rows is not asked for more
         for n, item in enumerate(self.read_rows(path), 1):
             if isinstance(item, BadRow):
                 where = f"{shown}:{item.line}" if item.line is not None else f"{shown}: row {n}"
                 if not skip:
                     raise FtcoreError(f"{where}: {item.message}")
                 unit.rejected.append((where, F.RowError(item.message, item.reason)))
-                continue
-            line, row = item if isinstance(item, tuple) else (None, item)
-            if not isinstance(row, dict):
-                raise FtcoreError(f"{shown}: data source '{self.name}' yielded {type(row).__name__}, not a dict "
-                                  "(read_rows yields row, (line, row) or BadRow)")
-            rows.append(row)
-            lines.append(line)
+            else:
+                line, row = item if isinstance(item, tuple) else (None, item)
+                if not isinstance(row, dict):
+                    raise FtcoreError(f"{shown}: data source '{self.name}' yielded {type(row).__name__}, not a "
+                                      "dict (read_rows yields row, (line, row) or BadRow)")
+                rows.append(row)
+                lines.append(line)
+            if budget is not None and len(rows) + len(unit.rejected) >= budget:
+                break  # the generator is not asked for the next row: nothing after the limit is read
         unit.rows = rows
         if rows and all(line is not None for line in lines):
             unit.lines = lines  # exact file:line in every message

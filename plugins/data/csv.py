@@ -42,8 +42,8 @@ class CsvSource(FileSource):
         shown, sep = _shown(path, ctx), self.options.delimiter
         skip = self.options.on_error == "skip"
         header = csv_header(path, sep)
-        if header is None:  # not UTF-8, or not CSV: find the place
-            return read_csv_python(path, shown, skip, sep)
+        if header is None or self.row_budget is not None:  # not UTF-8, or not CSV: find the place; or `limit`
+            return read_csv_python(path, shown, skip, sep, self.row_budget)
         dupes = sorted({h for h in header if header.count(h) > 1})
         if dupes:
             raise FtcoreError(f"{shown}:1: the header names {', '.join(repr(d) for d in dupes)} more than once")

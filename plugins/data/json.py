@@ -14,9 +14,12 @@ from ftcore_plugins.data._source import (FileSource, Unit, _first_line, _shown, 
 log = logging.getLogger("ftcore")
 
 
-def read_json(path: Path, shown: str, skip: bool) -> Unit:
+def read_json(path: Path, shown: str, skip: bool, limit: int | None = None) -> Unit:
     """Through datasets (memory-mapped Arrow, cached); when it cannot read the file, in
-    Python line by line, to report (or, with skip, drop) exactly the bad lines."""
+    Python line by line, to report (or, with skip, drop) exactly the bad lines. With ``limit``
+    (the source's rows left to read), in Python, reading no further than that."""
+    if limit is not None:
+        return read_json_python(path, shown, skip, limit)
     try:
         ds = load_files("json", path, parse_agent_traces=False)
         for batch in ds.data.table.to_batches():  # batch by batch: the pages read are handed back
@@ -35,7 +38,7 @@ class JsonSource(FileSource):
     stream_builder = "json"
 
     def _read(self, path, ctx):
-        return read_json(path, _shown(path, ctx), self.options.on_error == "skip")
+        return read_json(path, _shown(path, ctx), self.options.on_error == "skip", self.row_budget)
 
 
 @ftcore.hookimpl

@@ -15,7 +15,7 @@ class JsonlSource(FileSource):
     stream_builder = "json"
 
     def _read(self, path, ctx):
-        return read_json(path, _shown(path, ctx), self.options.on_error == "skip")
+        return read_json(path, _shown(path, ctx), self.options.on_error == "skip", self.row_budget)
 
 
 @ftcore.hookimpl

@@ -36,6 +36,8 @@ class TextSource(FileSource):
     def _read(self, path, ctx):
         shown = _shown(path, ctx)
         by = self.options.unit
+        if by == "line" and self.row_budget is not None:  # `limit`: read no further than it
+            return read_text_python(path, shown, by, self.options.on_error == "skip", self.row_budget)
         try:
             ds = load_files("text", path, sample_by="document" if by == "file" else "line")
         except Exception as exc:

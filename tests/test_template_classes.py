@@ -317,3 +317,23 @@ def test_each_kind_trains(name, tmp_path):
     SFT(SFT.Options(max_steps=10, batch_size=8, max_length=256, learning_rate=3e-3, logging_steps=1)).train(ctx)
     losses = ctx.reporter.losses("sft")
     assert len(losses) == 10 and losses[10] < 0.8 * losses[1], losses
+
+
+@pytest.mark.slow
+def test_mistral_v3_trains_rows_with_tool_results_from_a_file(ftcore_plan, ftcore_run):
+    """The whole path, as a user runs it: a JSONL file of OpenAI rows with tool calls and results (their ids), the
+    data layer, ``[template] use = "mistral-v3"``, a tiny model: the run trains, every row kept."""
+    from ftcore.testing import chat_rows, write_jsonl
+
+    rows = [{"messages": WEATHER, "tools": TOOLS}] * 16 + chat_rows(16)
+    write_jsonl(ftcore_plan.dir / "tools.jsonl", rows)
+    plan = ftcore_plan({"template": {"use": "mistral-v3"}, "data": {"chat": {"path": "tools.jsonl"}},
+                        "model": {"max_position_embeddings": 512},
+                        "stage": [{"name": "sft", "trainer": "sft", "data": "chat", "adapter": "full", "max_steps": 6,
+                                   "batch_size": 8, "max_length": 256, "learning_rate": 3e-3, "logging_steps": 1,
+                                   "save_steps": 100}]})
+    run = ftcore_run("run", plan, cwd=ftcore_plan.dir).check()
+    losses = run.losses("sft")
+    assert len(losses) == 6 and losses[6] < losses[1], losses
+    report = json.loads((run.run_dir / "data_report.json").read_text())
+    assert report["sft/train"]["kept"] == 32 and report["sft/train"]["skipped_unrenderable"] == 0

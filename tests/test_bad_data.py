@@ -286,8 +286,14 @@ def test_when_every_row_is_skipped_the_error_is_the_one_line(tmp_path):
     ("csv", "x.csv", "instruction,output\n" + "Name a colour.,Red.\n" * 46 + "A,b,extra\n" + "B,c\n" * 3),
     ("text", "x.txt", "a line\n" * 46 + "\udcff\n" + "a line\n" * 3),
 ])
-def test_limit_stops_reading_before_a_bad_row(tmp_path, use, name, text):
-    """`limit = 10` reads ten rows: the bad row at line 47 does not stop the load (it does without a limit)."""
+@pytest.mark.parametrize("small", [True, False])
+def test_limit_stops_reading_before_a_bad_row(tmp_path, monkeypatch, use, name, text, small):
+    """`limit = 10` reads ten rows: the bad row at line 47 does not stop the load (it does without a limit).
+    A small limit is read in Python, no further than it; a large one through datasets, which cannot read the
+    file here, and then in Python, no further than it either."""
+    if not small:
+        for module in ("json", "csv", "text"):
+            monkeypatch.setattr(f"ftcore_plugins.data.{module}.SMALL_LIMIT", 5)
     raw = text.encode("utf-8", "surrogateescape")
     path = write(tmp_path, name, raw)
     extra = 'unit = "line"\n' if use == "text" else ""

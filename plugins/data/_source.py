@@ -41,6 +41,9 @@ from ftcore_plugins.data._quality import QualityOptions, clean_and_split
 log = logging.getLogger("ftcore")
 
 SHOWN_ERRORS = 3  # skipped rows shown one by one; the rest are counted
+# A `limit` up to this many rows is read in Python, no further than it (a sample of a big file); a larger
+# one reads the files through datasets (Arrow, memory-mapped), and in Python only if that fails.
+SMALL_LIMIT = 20_000
 MAP_BATCH = 1000
 
 

@@ -10,8 +10,8 @@ from pydantic import Field
 import ftcore
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.data._source import (FileOptions, FileSource, Unit, _first_line, _rows_of, _shown, csv_header,
-                                         load_files, read_csv_python)
+from ftcore_plugins.data._source import (SMALL_LIMIT, FileOptions, FileSource, Unit, _first_line, _rows_of, _shown,
+                                         csv_header, load_files, read_csv_python)
 
 log = logging.getLogger("ftcore")
 
@@ -42,8 +42,9 @@ class CsvSource(FileSource):
         shown, sep = _shown(path, ctx), self.options.delimiter
         skip = self.options.on_error == "skip"
         header = csv_header(path, sep)
-        if header is None or self.row_budget is not None:  # not UTF-8, or not CSV: find the place; or `limit`
-            return read_csv_python(path, shown, skip, sep, self.row_budget)
+        budget = self.row_budget
+        if header is None or (budget is not None and budget <= SMALL_LIMIT):  # not UTF-8 or CSV; or a sample
+            return read_csv_python(path, shown, skip, sep, budget)
         dupes = sorted({h for h in header if header.count(h) > 1})
         if dupes:
             raise FtcoreError(f"{shown}:1: the header names {', '.join(repr(d) for d in dupes)} more than once")
@@ -52,7 +53,7 @@ class CsvSource(FileSource):
             ds = load_files("csv", path, features=features, sep=sep)
         except Exception as exc:
             log.debug("datasets could not read %s (%s); reading it row by row", path, _first_line(exc))
-            return read_csv_python(path, shown, skip, sep)
+            return read_csv_python(path, shown, skip, sep, budget)
         return Unit(shown, dataset=ds, strings=True, locate_many=_rows_of(shown))
 
 

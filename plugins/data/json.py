@@ -8,8 +8,8 @@ from pathlib import Path
 import ftcore
 
 from ftcore_plugins.common.prepare import ARROW_PAGES
-from ftcore_plugins.data._source import (FileSource, Unit, _first_line, _shown, json_locator, load_files,
-                                         read_json_python)
+from ftcore_plugins.data._source import (SMALL_LIMIT, FileSource, Unit, _first_line, _shown, json_locator,
+                                         load_files, read_json_python)
 
 log = logging.getLogger("ftcore")
 
@@ -17,8 +17,9 @@ log = logging.getLogger("ftcore")
 def read_json(path: Path, shown: str, skip: bool, limit: int | None = None) -> Unit:
     """Through datasets (memory-mapped Arrow, cached); when it cannot read the file, in
     Python line by line, to report (or, with skip, drop) exactly the bad lines. With ``limit``
-    (the source's rows left to read), in Python, reading no further than that."""
-    if limit is not None:
+    (the source's rows left to read), the Python reader reads no further than that: at once for a
+    small limit (a sample of a big file), else when datasets cannot read the whole file."""
+    if limit is not None and limit <= SMALL_LIMIT:
         return read_json_python(path, shown, skip, limit)
     try:
         ds = load_files("json", path, parse_agent_traces=False)
@@ -27,7 +28,7 @@ def read_json(path: Path, shown: str, skip: bool, limit: int | None = None) -> U
             ARROW_PAGES.check()
     except Exception as exc:  # no line numbers in datasets' errors: find the place ourselves
         log.debug("datasets could not read %s (%s); reading it line by line", path, _first_line(exc))
-        return read_json_python(path, shown, skip)
+        return read_json_python(path, shown, skip, limit)
     return Unit(shown, dataset=ds, locate_many=json_locator(path, shown))
 
 

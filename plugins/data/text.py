@@ -9,7 +9,8 @@ from pydantic import Field
 
 import ftcore
 from ftcore_plugins.data._quality import QualityOptions
-from ftcore_plugins.data._source import FileSource, Paths, Unit, _first_line, _shown, load_files, read_text_python
+from ftcore_plugins.data._source import (SMALL_LIMIT, FileSource, Paths, Unit, _first_line, _shown, load_files,
+                                         read_text_python)
 
 log = logging.getLogger("ftcore")
 
@@ -36,13 +37,14 @@ class TextSource(FileSource):
     def _read(self, path, ctx):
         shown = _shown(path, ctx)
         by = self.options.unit
-        if by == "line" and self.row_budget is not None:  # `limit`: read no further than it
-            return read_text_python(path, shown, by, self.options.on_error == "skip", self.row_budget)
+        budget = self.row_budget if by == "line" else None
+        if budget is not None and budget <= SMALL_LIMIT:  # a sample: read no further than `limit`
+            return read_text_python(path, shown, by, self.options.on_error == "skip", budget)
         try:
             ds = load_files("text", path, sample_by="document" if by == "file" else "line")
         except Exception as exc:
             log.debug("datasets could not read %s (%s); reading it line by line", path, _first_line(exc))
-            return read_text_python(path, shown, by, self.options.on_error == "skip")
+            return read_text_python(path, shown, by, self.options.on_error == "skip", budget)
         if by == "file":
             return Unit(shown, dataset=ds, locate_many=lambda idx: {i: shown for i in idx})
         return Unit(shown, dataset=ds, locate_many=lambda idx: {i: f"{shown}:{i + 1}" for i in idx})

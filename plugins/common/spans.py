@@ -16,9 +16,19 @@ the one rendering of the whole conversation, never by rendering prefixes of it:
    marker. A header the history renders shorter than the generation prompt (DeepSeek-R1's
    generation prompt ends with ``<think>\\n``, its history does not) is matched by its longest
    prefix ending at a token or a line;
+   A turn with no content to mark (a tool call alone) is looked for before the next message's
+   content only. When the generation prompt adds nothing (Command R7B renders the next header
+   after every conversation) or an answer goes on in the block of the tool result before it
+   (Apertus), the turn starts where the conversation rendered up to the previous message ends;
 4. a turn ends with its end-of-turn token: the first of the template's end-of-turn tokens
-   after the turn's content (and tool calls): its declared ``stop_tokens``, the tokenizer's EOS,
-   and those three probe renderings show (so ``native`` and a ``jinja`` file need none declared).
+   after the turn's content (and tool calls), with any end-of-turn tokens right after it: its
+   declared ``stop_tokens``, the tokenizer's EOS, and those three probe renderings show (so
+   ``native`` and a ``jinja`` file need none declared). A tool call its result follows in the same
+   block ends where the conversation rendered up to the call ends;
+5. a last turn the template leaves unclosed (GLM) gets the token that closes its turns
+   (:meth:`SpanLocator.closing_token`), trained and counted (``closed_by_us``); a turn's
+   reasoning the template does not render is refused, or counted (``dropped_reasoning``) with
+   ``[template] dropped_reasoning = "warn"``.
 
 docs/data.md explains the method and its limits.
 """
@@ -226,10 +236,10 @@ class SpanLocator:
             while (following := next((t for t in ends if text.startswith(t, end)), None)) is not None:
                 end += len(following)
             return end, True
-        if i < len(messages) - 1:
-            # Followed by another message, with no end-of-turn token between (a tool call whose result
-            # goes on in the same assistant block, as Apertus renders it): the turn is what the template
-            # renders when it ends the conversation, and the markup right after it, if any (GLM's
+        if i < len(messages) - 1 and messages[i].get("tool_calls") and messages[i + 1].get("role") == "tool":
+            # A tool call followed by its result with no end-of-turn token between (the result goes on
+            # in the same assistant block, as Apertus renders it): the turn is what the template renders
+            # when the call ends the conversation, and the markup right after it, if any (GLM's
             # <|observation|> after a tool call, which the model generates to stop).
             cut = self._alone(messages, tools, i, text)
             if cut is not None and after <= cut <= limit:

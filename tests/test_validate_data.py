@@ -153,7 +153,8 @@ def test_what_the_stages_trainer_refuses_is_refused_before_any_model_loads(tmp_p
     assert err[0] == ("data.chat (data/chat.jsonl): trainer 'sft' (stage sft) needs chat rows (messages, Alpaca, "
                       "ShareGPT, ...) or prompt/completion rows; this data has text; for plain text use trainer = "
                       "\"pretrain\"")
-    assert out == ["data: 3 rows read from 1 file(s) in 1 source(s); no bad rows"]
+    assert out == ["data: 3 rows read from 1 file(s) in 1 source(s); no bad rows; 1 other problem(s) would stop the "
+                   "run"]
     code, _, err = validate(capsys, project(tmp_path, tokenizer_dir, [GOOD, {"messages": [u("Hi")]}]), "--data")
     assert code == 2 and err == ["data.chat (data/chat.jsonl), row 2: 'messages' has no assistant turn, so trainer "
                                  "'sft' has nothing to train on (roles: user); add the answer, or set "

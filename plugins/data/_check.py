@@ -62,6 +62,7 @@ class Report:
     files: int = 0
     reasons: Counter = field(default_factory=Counter)
     fatal: int = 0
+    stops: int = 0  # problems a run would stop on that are not a row's (counted in fatal too)
     notes: list[str] = field(default_factory=list)
 
     def bad(self, prefix: str, where: str, message: str, reason: str, fatal: bool, count: int = 1) -> None:
@@ -74,16 +75,19 @@ class Report:
     def stop(self, message: str) -> None:
         """A problem a run would stop on that is not a row's (a stage's data its trainer refuses)."""
         self.fatal += 1
+        self.stops += 1
         print(_one_line(message), file=self.err)
 
     def summary(self) -> str:
         bad = sum(self.reasons.values())
         text = f"data: {self.rows:,} rows read from {self.files:,} file(s) in {self.sources} source(s); "
+        others = f"; {self.stops:,} other problem(s) would stop the run" if self.stops else ""
         if not bad:
-            return text + "no bad rows"
+            return text + "no bad rows" + others
         reasons = ", ".join(f"{k.replace('_', ' ')}: {v:,}" for k, v in sorted(self.reasons.items()))
-        stop = f"{self.fatal:,} would stop the run" if self.fatal else "a run skips them all"
-        return text + f"{bad:,} bad ({reasons}); {stop}"
+        rows = self.fatal - self.stops
+        stop = f"{rows:,} would stop the run" if rows else "a run skips them all"
+        return text + f"{bad:,} bad ({reasons}); {stop}{others}"
 
 
 def evaluation_data(plan: Any) -> set[str]:

@@ -107,7 +107,7 @@ def sentencepiece_gemma(folder):
     return AutoTokenizer.from_pretrained(folder)
 
 
-def base_model(folder, arch, tokenizer_name):
+def base_model(folder, arch, tokenizer_name, **options):
     """A tiny random ``arch`` saved with its tokenizer (and, for Gemma, its tokenizer.model) in ``folder``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -123,7 +123,7 @@ def base_model(folder, arch, tokenizer_name):
         extra.update(query_pre_attn_scalar=16, sliding_window=16)  # prompts longer than the window: SWA checked
     config = AutoConfig.for_model(arch, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                                  vocab_size=len(tokenizer), tie_word_embeddings=True, **extra)
+                                  vocab_size=len(tokenizer), **{"tie_word_embeddings": True, **extra, **options})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
@@ -225,6 +225,10 @@ def test_llama_cpp_answers_as_transformers_and_stops_at_the_end_of_turn(tmp_path
     # The fine-tuned model answers and ends its turn: what stops llama.cpp is the end-of-turn token.
     assert stopped == len(rows)
     llm.close()
+    record = [json.loads(line) for line in (exports.parent / "metrics.jsonl").read_text().splitlines()]
+    check = [r for r in record if "f16 max_abs_logit_diff" in r][-1]
+    print(f"\n{arch}: f16 max abs logit diff {check['f16 max_abs_logit_diff']:.3g} (bound {check['f16 tolerance']:.3g}); "
+          f"same greedy tokens and stopped at {end} on {stopped}/{len(rows)} prompts")
 
 
 @needs_converter

@@ -198,8 +198,8 @@ class GgufExporter(Component):
                 model.save_pretrained(folder)
                 ctx.tokenizer.save_pretrained(folder)
                 complete_tokenizer_files(folder, ctx.tokenizer, ctx.run.plan)
-                self._release(ctx)
                 model = None
+                self._release(ctx)
                 self._convert(tree, folder, targets, stem, eot, Path(tmp))
                 verification["written by"] = f"llama.cpp's convert_hf_to_gguf.py ({tree.name})"
             else:

@@ -28,6 +28,7 @@ else:  # pragma: no cover
 TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate",
              "export", "track", "distributed", "sweep")
 RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
+SEED_MAX = 2**32 - 1  # numpy's seeds, which every trainer sets with torch's, are 0 ... 2**32 - 1
 STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
 EVALUATE_KEYS = ("name", "use", "data", "when")
 EXPORT_KEYS = ("name", "use", "path")
@@ -210,7 +211,9 @@ class _Checker:
         self.problems: list[str] = []
 
     def problem(self, key: str, message: str) -> None:
-        self.problems.append(f"{self.shown}: {key}: {message}" if key else f"{self.shown}: {message}")
+        line = f"{self.shown}: {key}: {message}" if key else f"{self.shown}: {message}"
+        if line not in self.problems:  # the top-level [adapter]'s check, once for all the stages it serves
+            self.problems.append(line)
 
     # -- structure ---------------------------------------------------------------------
     def table(self, raw: dict, key: str, required: bool = False) -> dict | None:
@@ -319,9 +322,12 @@ class _Checker:
                 self.problem(f"run.{k}", _unknown_key("unknown key", k, RUN_KEYS))
             elif not isinstance(v, RUN_KEYS[k]) or isinstance(v, bool):
                 self.problem(f"run.{k}", f"must be {RUN_KEYS[k].__name__}, got {_type(v)}")
+            elif k == "seed" and not 0 <= v <= SEED_MAX:
+                self.problem("run.seed", f"must be between 0 and {SEED_MAX} (2**32 - 1), got {v}")
         run_name = run.get("name") if isinstance(run.get("name"), str) else path.stem
         self.folder_name(run_name, "run.name")
-        seed = run.get("seed", 42) if isinstance(run.get("seed", 42), int) else 42
+        seed = run.get("seed", 42)
+        seed = seed if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= SEED_MAX else 42
         output_dir = Path(run["output_dir"]) if isinstance(run.get("output_dir"), str) else Path("runs")
         try:
             output_dir = (self.base_dir / output_dir.expanduser()).resolve()
@@ -341,6 +347,10 @@ class _Checker:
         if not isinstance(default_adapter, (str, dict)):
             self.problem("adapter", f"must be a table or a name, got {_type(default_adapter)}")
             default_adapter = DEFAULTS["adapter"]
+        # The top-level [adapter], checked once where it is written: its problems are "adapter.<key>",
+        # not one line per stage that uses it.
+        shared_adapter = self.component("adapter", "adapter", default_adapter, default=DEFAULTS["adapter"]) \
+            if "adapter" in raw else None
 
         data: dict[str, Selected] = {}
         data_table = self.table(raw, "data") or {}
@@ -388,7 +398,10 @@ class _Checker:
 
         stages: list[Stage] = []
         seen: set[str] = set()
-        for i, section in enumerate(self.tables(raw, "stage")):
+        if isinstance(raw.get("stage"), dict):  # `[stage]` (or `[stage.sft]`): one table, not an array of them
+            self.problem("stage", "must be an array of tables: write each stage as [[stage]] (double brackets), "
+                                  "not [stage]")
+        for i, section in enumerate(self.tables(raw, "stage") if not isinstance(raw.get("stage"), dict) else []):
             key = f"stage[{i}]"
             trainer = self.component("trainer", key, section, core_keys=STAGE_KEYS, name_key="trainer")
             name = section.get("name") or f"{i}-{trainer.name if trainer else 'stage'}"
@@ -397,8 +410,12 @@ class _Checker:
             self.unique_name(name, f"{key}.name", "stage", seen)
             ref = data_ref(section, "data", f"{key}.data", required=True)
             eval_ref = data_ref(section, "eval_data", f"{key}.eval_data", required=False)
-            adapter = self.component("adapter", f"{key}.adapter", section.get("adapter", default_adapter),
-                                     default=DEFAULTS["adapter"])
+            if "adapter" in section or shared_adapter is None and "adapter" not in raw:
+                adapter = self.component("adapter", f"{key}.adapter", section.get("adapter", default_adapter),
+                                         default=DEFAULTS["adapter"])
+            else:  # the top-level [adapter]: each stage its own copy (a component may look its stage up by it)
+                adapter = shared_adapter and Selected("adapter", shared_adapter.reg,
+                                                      shared_adapter.options.model_copy(deep=True))
             if trainer:
                 self.check_references(trainer, key, [s.name for s in stages], reward_names)
             if trainer and adapter and ref:

@@ -65,7 +65,8 @@ def prepare(run_dir: Path, fingerprint: str, resume: bool, force: bool) -> str:
 
 def trained_anything(run_dir: Path) -> bool:
     """Whether a run got as far as a training step: one is logged, a stage left a checkpoint, an output
-    or its marker, or something was exported."""
+    or its marker, or something was exported. What a stage records at step 0, before its first step (the
+    loss kernel, the trainable parameters, an evaluation of the untrained model), is not training."""
     if (run_dir / "exports").exists() or (run_dir / "exports.json").exists():
         return True
     for stage in (run_dir / "stages").glob("*"):
@@ -73,11 +74,20 @@ def trained_anything(run_dir: Path) -> bool:
             return True
     try:
         with (run_dir / "metrics.jsonl").open(encoding="utf-8") as lines:
-            return any(json.loads(line).get("step") is not None for line in lines if line.strip())
+            return any(_trained_step(json.loads(line).get("step")) for line in lines if line.strip())
     except FileNotFoundError:
         return False
     except (OSError, ValueError):
         return True  # unreadable: keep it
+
+
+def _trained_step(step: Any) -> bool:
+    """Whether a metrics record's ``step`` is that of a training step: 1 or later (unreadable: kept as one)."""
+    if step is None:
+        return False
+    if isinstance(step, (int, float)) and not isinstance(step, bool):
+        return step > 0
+    return True
 
 
 def stored_path(run_dir: Path, path: Path | str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 from . import launch, memory, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
 from .errors import ComponentError, FtcoreError, PlanError
-from .plan import Plan, Selected, Stage, phase_order
+from .plan import _SUBKEY, Plan, Selected, Stage, phase_order
 from .plugins import PluginManager
 from .reporter import Reporter
 
@@ -140,11 +140,20 @@ class Runner:
         return summary
 
     def _preflight(self) -> None:
-        """What the model's shapes decide, checked before the run folder is made or a weight is read: each
-        ``max_length`` against the model's context, and each stage's adapter applied to the model on the
-        meta device (its target modules, its options). A loader without ``meta_model()``, or one that
-        cannot build it here (a hub id not yet downloaded), skips this; loading reports it then."""
+        """What the model's files and shapes decide, checked before the run folder is made or a weight is
+        read. First the loader's own ``preflight()``, if it has one: what its files and config say (a
+        folder that holds no model, a truncated weights file, an unknown architecture, heads that do not
+        divide the width), as problems like ``check()``'s (``"path: ..."``, under the loader's key). Then
+        each ``max_length`` against the model's context, and each stage's adapter applied to the model on
+        the meta device (its target modules, its options). A loader without ``meta_model()``, or one that
+        cannot build it here (a hub id not yet downloaded), skips these; loading reports it then."""
         loader = self.plan.model.create()
+        preflight = getattr(loader, "preflight", None)
+        if preflight is not None:
+            with calling(self.plan.model, "preflight"):
+                messages = preflight(self.plan)
+            if messages:
+                raise PlanError([self.plan.problem(*_subkey(self.plan.model.key, m)) for m in messages])
         if not hasattr(loader, "meta_model"):
             return
         try:
@@ -171,8 +180,6 @@ class Runner:
             if not stage.trains_policy or any(stage.adapter.reg is r and stage.adapter.options == o for r, o in tried):
                 continue
             tried.append((stage.adapter.reg, stage.adapter.options))
-            section = (self.plan.raw.get("stage") or [])[stage.index]
-            own = isinstance(section, dict) and "adapter" in section  # else the top-level [adapter]
             adapter = stage.adapter.create()
             apply = getattr(adapter, "apply_meta", None) or adapter.apply
             try:
@@ -185,7 +192,8 @@ class Runner:
                 field = re.match(r"adapter (\w+): ", message)  # "adapter target_modules: 'x' matches no module"
                 if field and field.group(1) not in type(stage.adapter.options).model_fields:
                     field = None  # "adapter freeze: ...": the adapter's name, not one of its options
-                key = f"{stage.adapter.key if own else 'adapter'}" + (f".{field.group(1)}" if field else "")
+                # Where the plan writes it: "stage[1].adapter", or "adapter" for the top-level [adapter].
+                key = stage.adapter.key + (f".{field.group(1)}" if field else "")
                 problems.append(self.plan.problem(key, message[field.end():] if field else message))
             except Exception as exc:  # noqa: BLE001 - not decidable on meta tensors; the real apply decides
                 log.debug("preflight: adapter %s on the meta model: %s", stage.adapter.name, exc)
@@ -768,6 +776,13 @@ def calling(sel: Selected, what: str, where: str | None = None) -> Iterator[None
         first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in {what}() "
                              f"[{where or sel.key}]: {type(exc).__name__}: {first}") from exc
+
+
+def _subkey(key: str, message: str) -> tuple[str, str]:
+    """A component's problem as ``check()`` words it (``"path: ..."``, or a message for the component's
+    whole section) and the plan key it is under: ``("model.path", "...")``."""
+    sub = _SUBKEY.match(message)
+    return (f"{key}.{sub.group(1)}", message[sub.end():]) if sub else (key, message)
 
 
 def _needs_model(export: Any) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -125,19 +126,28 @@ def _main(argv: list[str]) -> int:
             traceback.print_exc()
         return exc.exit_code
     except ComponentError as exc:
-        print(f"error: {exc}", file=sys.stderr)
         if args.debug:
+            print(f"error: {exc}", file=sys.stderr)
             traceback.print_exc()
-        else:
-            print("(run with --debug for the traceback)", file=sys.stderr)
+        else:  # one line, the hint folded in
+            print(f"error: {exc} (run with --debug for the traceback)", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:
-        print(getattr(exc, "message", None) or "interrupted; continue with: ftcore run PLAN --resume",
-              file=sys.stderr)
+        print(_interrupted(args, getattr(exc, "message", None)), file=sys.stderr)
         return getattr(exc, "exit_code", 130)
     except BrokenPipeError:  # `ftcore plugins --json | head`
         sys.stderr.close()
         return 0
+
+
+def _interrupted(args: argparse.Namespace, message: str | None) -> str:
+    """What the CLI says when Ctrl-C (or a second one) stopped it: the message the run raised, else how to
+    go on, with the plan named as the user named it."""
+    plan = getattr(args, "plan", None)
+    again = f"ftcore run {shlex.quote(plan)} --resume" if isinstance(plan, str) and args.command == "run" else None
+    if message:
+        return message.replace("ftcore run <plan> --resume", again) if again else message
+    return f"interrupted; continue with: {again}" if again else "interrupted"
 
 
 def plugins_with_warnings(quiet: bool = False) -> tuple[Any, Any]:
@@ -259,3 +269,9 @@ def _terminated(plan: str):
         raise Interrupted(f"terminated (SIGTERM); resume with: ftcore run {plan} --resume", 128 + signum)
 
     return handler
+
+
+if __name__ == "__main__":  # `python -m ftcore.cli`, as `python -m ftcore`: the module as imported, not a copy
+    from ftcore.cli import main as _main_of_the_module
+
+    raise SystemExit(_main_of_the_module())

@@ -259,7 +259,8 @@ def test_evaluator_failure_keeps_the_trained_stage_and_resume_reruns_only_the_ev
     assert r.returncode == 1, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: evaluator 'flaky' from plugin 'flaky' (flaky-dist 1.0) failed in evaluate() "
-                      "[evaluation 'judge', evaluate[0]]: RuntimeError: scorer offline"]
+                      "[evaluation 'judge', evaluate[0]]: RuntimeError: scorer offline (run with --debug for the "
+                      "traceback)"]
     run = tmp_path / "runs" / "flaky"
     marker = run / "stages" / "sft" / "COMPLETE.json"
     assert marker.exists() and (run / "stages" / "sft" / "output").is_dir()

@@ -25,11 +25,23 @@ def resolve_model_path(value: str | None, info: ValidationInfo) -> str | None:
     if candidate.exists():
         return str(candidate.resolve())
     missing = f"no such folder: {candidate.resolve()}"
-    if not HUB_ID.fullmatch(value):
-        raise ValueError(missing + ("" if "/" in value else " (a Hugging Face id is written org/name)"))
+    if not hub_id(value):
+        looks = re.fullmatch(r"[^/.~][^/]*/[^/]+", value)  # org/name, but not as the hub allows it
+        raise ValueError(missing + (" (a Hugging Face id is written org/name)" if "/" not in value else
+                                    " (nor a valid Hugging Face id)" if looks else ""))
+    if (base / value.split("/")[0]).is_dir():  # "models/base" beside a models/ folder: a path, not a hub id
+        raise ValueError(f"{missing} (there is a folder {(base / value.split('/')[0]).resolve()}, so this is not "
+                         "read as a Hugging Face id)")
     if _offline() and not _in_hub_cache(value):
         raise ValueError(f"{missing} (nor a model in the Hugging Face cache, and HF_HUB_OFFLINE is set)")
     return value
+
+
+def hub_id(value: str) -> bool:
+    """Whether ``value`` can name a Hugging Face repository: ``org/name`` as the hub allows it (no ``--`` or
+    ``..``, neither part starting or ending with ``-`` or ``.``, at most 96 characters)."""
+    return bool(HUB_ID.fullmatch(value)) and len(value) <= 96 and "--" not in value and ".." not in value \
+        and not any(part[-1] in "-." for part in value.split("/"))
 
 
 def _offline() -> bool:

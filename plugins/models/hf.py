@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import SecretStr, field_validator
 
 import ftcore
 from ftcore.component import Component, Options
-from ftcore.errors import FtcoreError
+from ftcore.errors import FtcoreError, PlanError
 
-from ftcore_plugins.common.model import resolve_model_path
+from ftcore_plugins.common.model import _in_hub_cache, _offline, resolve_model_path
+from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+HUB_TIMEOUT_S = 10  # one look-up, no retries: the hub answers, or a run does not wait on it
+_UNREACHABLE: dict[str, str] = {}  # hub endpoints this process found unreachable, and why
 
 
 class HFModelLoader(Component):
@@ -34,7 +37,99 @@ class HFModelLoader(Component):
         _paths = field_validator("path", "tokenizer")(resolve_model_path)
 
     def check(self, plan) -> list[str]:
-        return [p for p in [attention_problem(self.options.attn_implementation)] if p]
+        """What the local folders show without loading anything (see ``_checks``)."""
+        o = self.options
+        problems = [p for p in [attention_problem(o.attn_implementation)] if p]
+        if Path(o.path).is_absolute() and Path(o.path).exists():  # a local folder (else a hub id)
+            problems += [f"path: {p}" for p in _checks.model_folder_problems(Path(o.path))]
+        if o.tokenizer and Path(o.tokenizer).is_absolute() and Path(o.tokenizer).exists():
+            problem = _checks.tokenizer_folder_problem(Path(o.tokenizer), explicit=True)
+            problems += [f"tokenizer: {problem}"] if problem else []
+        return problems
+
+    def preflight(self, plan) -> list[str]:
+        """Before a run makes its folder: what a run needs of the folders beyond ``check()`` (weights, a
+        tokenizer that reads, a model type transformers knows), and, for a hub id, one look-up on the hub,
+        so that a model it cannot serve is one line now rather than minutes of retries later."""
+        o = self.options
+        problems = []
+        local = Path(o.path).is_absolute() and Path(o.path).is_dir()
+        if local:
+            problem = _checks.weights_problem(Path(o.path))
+            config, _ = _checks.read_config(Path(o.path))
+            if problem is None and config is not None:
+                problem = _checks.model_type_problem(config.get("model_type"), o.trust_remote_code,
+                                                     "auto_map" in config)
+                problem = problem and f"{Path(o.path) / 'config.json'}: {problem}"
+            if problem is None and config is not None:
+                problem = self._config_against_weights(Path(o.path), config)
+            problems += [f"path: {problem}"] if problem else []
+        else:
+            problems += self._hub_problems("path", o.path, plan)
+        key, where = ("tokenizer", o.tokenizer) if o.tokenizer else ("path", o.path)
+        if Path(where).is_absolute() and Path(where).exists():
+            problem = _checks.tokenizer_folder_problem(Path(where), explicit=key == "tokenizer") \
+                or _checks.tokenizer_files_problem(Path(where))
+            problems += [f"{key}: {problem}"] if problem and not (key == "path" and problems) else []
+        elif o.tokenizer and o.tokenizer != o.path:
+            problems += self._hub_problems("tokenizer", o.tokenizer, plan)
+        return problems
+
+    def _config_against_weights(self, folder: Path, config: dict) -> str | None:
+        """Whether transformers builds the model ``config.json`` describes (on the meta device), and its
+        tensors have the shapes the safetensors headers give: a config edited apart from its weights (its
+        heads, its width) is one line here, not a size mismatch deep in loading."""
+        try:
+            model, _ = self.meta_model()
+        except FtcoreError as exc:  # "model.path: cannot read the config of ...": said as check() says it
+            return str(exc).split(": ", 1)[-1]
+        except Exception as exc:  # noqa: BLE001 - transformers refuses the config: the folder's problem
+            return f"{folder / 'config.json'}: transformers cannot build this model: {_checks.one_line(exc)}"
+        if "quantization_config" in config:  # packed quantized weights have shapes of their own
+            return None
+        stored = _checks.safetensors_shapes(folder)
+        for name, tensor in model.state_dict().items():
+            shape, file = stored.get(name, (None, None))
+            if shape is not None and tuple(shape) != tuple(tensor.shape):
+                return (f"{folder / 'config.json'} does not match the weights: {name} is {list(shape)} in {file}, "
+                        f"{list(tensor.shape)} by the config")
+        return None
+
+    def _hub_problems(self, key: str, repo: str, plan) -> list[str]:
+        """A hub id the hub cannot serve: unreachable (and not in the local cache), no such model, no such
+        revision. Offline (``HF_HUB_OFFLINE``), ``check()`` already refused an id the cache lacks."""
+        if _offline():
+            return []
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+        local = (plan.base_dir / repo).resolve()
+        why = _UNREACHABLE.get(endpoint)
+        if why is None:
+            try:
+                from huggingface_hub import HfApi
+
+                HfApi(endpoint=endpoint).model_info(repo, revision=self.options.revision, timeout=HUB_TIMEOUT_S,
+                                                    token=self._common()["token"])
+                return []
+            except Exception as exc:  # noqa: BLE001 - sorted below; anything else is the network's
+                from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
+                                                    RevisionNotFoundError)
+
+                if isinstance(exc, GatedRepoError):
+                    return []  # the download says how to get access, with the model's own words
+                if isinstance(exc, RevisionNotFoundError):
+                    return [f"revision: {repo!r} has no revision {self.options.revision!r} on the Hugging Face hub"]
+                if isinstance(exc, RepositoryNotFoundError):
+                    return [f"{key}: no such folder: {local}, nor a model {repo!r} on the Hugging Face hub (or it is "
+                            "private: set token, or log in with `hf auth login`)"]
+                if isinstance(exc, HfHubHTTPError) and getattr(exc.response, "status_code", 0) < 500:
+                    return []  # the hub answered something else: the download decides
+                why = _UNREACHABLE[endpoint] = _checks.one_line(exc, 120)
+        if _in_hub_cache(repo):
+            return []  # loaded from the cache alone (``_common``: local_files_only)
+        return [f"{key}: no such folder: {local}, and the Hugging Face hub ({endpoint}) cannot be reached to "
+                f"fetch {repo!r} ({why}); download it where the hub is reachable, or name a local folder"]
 
     def load(self, ctx):
         from transformers import AutoModelForCausalLM
@@ -47,7 +142,7 @@ class HFModelLoader(Component):
         stored = self._stored_dtype(kwargs)
         if stored is not None:  # read in its own dtype, then raised tensor by tensor (see _upcast)
             kwargs["dtype"] = stored
-        model = self._load("path", AutoModelForCausalLM, o.path, **self._common(), **kwargs)
+        model = self._load("path", AutoModelForCausalLM, o.path, ctx, **self._common(), **kwargs)
         if stored is not None:
             from ftcore_plugins.models._upcast import upcast
 
@@ -78,7 +173,7 @@ class HFModelLoader(Component):
         from transformers import AutoTokenizer
 
         o = self.options
-        tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path,
+        tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path, ctx,
                                **self._common())
         if tokenizer.pad_token is None:
             # Labels are built from spans, not from the pad mask, so pad == eos is safe here.
@@ -87,17 +182,28 @@ class HFModelLoader(Component):
 
     def _common(self) -> dict:
         o = self.options
-        return {"revision": o.revision, "trust_remote_code": o.trust_remote_code,
-                "token": o.token.get_secret_value() if o.token else None}
+        common: dict[str, Any] = {"revision": o.revision, "trust_remote_code": o.trust_remote_code,
+                                  "token": o.token.get_secret_value() if o.token else None}
+        if _UNREACHABLE and _hub_endpoint() in _UNREACHABLE:  # the preflight found no hub: the cache alone
+            common["local_files_only"] = True
+        return common
 
-    @staticmethod
-    def _load(key: str, cls: type, where: str, **kwargs):
-        """``cls.from_pretrained(where)``, its failure one line naming the plan key that holds ``where``."""
+    def _load(self, key: str, cls: type, where: str, ctx: Any = None, **kwargs):
+        """``cls.from_pretrained(where)``, its failure one line naming the plan key that holds ``where``
+        (and the plan file, when ``ctx`` has the run): a folder or file transformers cannot read is bad
+        input (exit 2), not a plugin failure."""
         try:
             return cls.from_pretrained(where, **kwargs)
-        except OSError as exc:
-            hint = "" if Path(where).exists() else " (not a local folder, and the hub is unreachable or the id is wrong)"
-            raise FtcoreError(f"model.{key}: cannot load {where!r}{hint}: {str(exc).splitlines()[0]}") from exc
+        except Exception as exc:
+            if not _bad_input(exc):
+                raise
+            hint = "" if Path(where).exists() else \
+                " (not a local folder, and the hub is unreachable or the id is wrong)"
+            message = f"cannot load {where!r}{hint}: {_checks.one_line(exc)}"
+            plan = getattr(getattr(ctx, "run", None), "plan", None)
+            if plan is not None and hasattr(plan, "problem"):
+                raise PlanError([plan.problem(f"model.{key}", message)]) from exc
+            raise FtcoreError(f"model.{key}: {message}") from exc
 
     def meta_model(self):
         """For ``ftcore estimate``: the model on the meta device (no weights read) and its config."""
@@ -110,6 +216,26 @@ class HFModelLoader(Component):
         from ftcore_plugins.common.estimate import hf_checkpoint_residue_bytes
 
         return hf_checkpoint_residue_bytes(self, quantized)
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def _bad_input(exc: BaseException) -> bool:
+    """Whether a ``from_pretrained`` failure is the files' (or the id's) fault: what transformers, the
+    hub client, safetensors and tokenizers raise for a missing, unreadable or inconsistent file. Not
+    memory or a device, which are the machine's."""
+    if isinstance(exc, (MemoryError, RecursionError)) or "out of memory" in str(exc).lower():
+        return False
+    if isinstance(exc, (OSError, ValueError, KeyError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    # safetensors' SafetensorError, the tokenizers library's plain Exception, json's errors, a strict config.
+    return bool(names & {"SafetensorError", "JSONDecodeError", "StrictDataclassClassValidationError"}) \
+        or type(exc) is Exception
 
 
 @ftcore.hookimpl

@@ -12,6 +12,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.types import InputPath
 
+from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -47,7 +48,68 @@ class ScratchModelLoader(Component):
             if name not in plan.data:
                 problems.append(f"tokenizer_data[{i}]: undefined data {name!r}; defined: {', '.join(plan.data)}")
         attention = attention_problem(o.attn_implementation)
+        problems += self.shape_problems()
+        if o.tokenizer is not None:
+            problem = _checks.tokenizer_folder_problem(o.tokenizer, explicit=True)
+            problems += [f"tokenizer: {problem}"] if problem else []
         return problems + ([attention] if attention else [])
+
+    def shape_problems(self) -> list[str]:
+        """Attention heads that do not divide, named by the keys the plan sets them with (an option, or
+        the ``config`` table's field that overrides it)."""
+        o = self.options
+
+        def value(option: str, field: str, default: Any) -> tuple[str, Any]:
+            if field in o.config:
+                return f"config.{field}", o.config[field]
+            return option, default
+
+        hidden = value("hidden_size", "hidden_size", o.hidden_size)
+        heads = value("num_heads", "num_attention_heads", o.num_heads)
+        kv = value("num_kv_heads", "num_key_value_heads", o.num_kv_heads)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for _, v in (hidden, heads)):
+            return []  # a config field of another type: transformers says what it makes of it
+        problems = []
+        if o.config.get("head_dim") is None and hidden[1] % heads[1]:
+            near = max(heads[1], round(hidden[1] / heads[1]) * heads[1])
+            problems.append(f"{hidden[0]}: {hidden[1]} is not a multiple of {heads[0]} ({heads[1]}), so the heads "
+                            f"cannot share the width; use a multiple of {heads[1]}, such as {near}")
+        if isinstance(kv[1], int) and not isinstance(kv[1], bool) and kv[1] > 0 and heads[1] % kv[1]:
+            divisor = max(d for d in range(1, kv[1] + 1) if heads[1] % d == 0)
+            problems.append(f"{kv[0]}: {kv[1]} does not divide {heads[0]} ({heads[1]}): each key/value head must "
+                            f"serve the same number of query heads; use a divisor of {heads[1]}, such as {divisor}")
+        return problems
+
+    def preflight(self, plan) -> list[str]:
+        """Before a run makes its folder: that transformers knows the architecture and builds its config
+        from these options (on the meta device: no weights), and that a tokenizer folder reads."""
+        o = self.options
+        problem = _checks.model_type_problem(o.architecture, False, False)
+        if problem:
+            return [f"architecture: {problem.replace('unknown model type', 'unknown architecture')}"]
+        if o.tokenizer is not None:
+            problem = _checks.tokenizer_files_problem(o.tokenizer)
+            if problem:
+                return [f"tokenizer: {problem}"]
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            config = self.model_config(o.vocab_size)
+            with torch.device("meta"):
+                AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # noqa: BLE001 - every field is the plan's: what transformers refuses is
+            return [f"{self._blamed(exc)}: transformers cannot build this {o.architecture} model: "
+                    f"{_checks.one_line(exc)}"]
+        return []
+
+    def _blamed(self, exc: BaseException) -> str:
+        """The option a config error is most likely about: the width and heads for a head size transformers
+        refuses (RoPE wants it even), else the ``config`` table where the plan sets fields, else none."""
+        text = str(exc).lower()
+        if "head_dim" in text or "hidden size" in text or "attention heads" in text or "rotary" in text:
+            return "config.head_dim" if "head_dim" in self.options.config else "hidden_size"
+        return "config" if self.options.config else "architecture"
 
     def load(self, ctx):
         import torch

@@ -182,3 +182,51 @@ def resolve(model: Any, spec: str | list[str], *, label: str = "target_modules",
     others = [p for p in chosen if p not in ff]
     names = (shortest_names(others, every) if others else []) + ff_names
     return Targets(names, chosen, conv1d, ff_names)
+
+
+def _shape(module: Any) -> tuple[int, int] | None:
+    """``(in, out)`` features of a linear (or GPT-2 Conv1D) layer, ``(rows, width)`` of an embedding."""
+    import torch
+
+    if isinstance(module, _conv1d_class()):
+        return module.weight.shape[0], module.nf
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, torch.nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return None
+
+
+def check_rank(model: Any, targets: Targets, r: int, *, label: str = "r") -> None:
+    """A rank no larger than the smaller dimension of every targeted layer: a LoRA update of a layer
+    ``in x out`` has rank at most ``min(in, out)``, and at that rank it already holds more parameters than
+    the layer. Raises :class:`FtcoreError` (one line) naming the narrowest layer."""
+    modules = dict(model.named_modules())
+    narrowest = None
+    for path in targets.modules:
+        shape = _shape(modules[path])
+        if shape is not None and (narrowest is None or min(shape) < min(narrowest[1])):
+            narrowest = (path, shape)
+    if narrowest is not None and r > min(narrowest[1]):
+        path, (a, b) = narrowest
+        name = shortest_names([path], [p for p in modules if p])[0]
+        raise FtcoreError(f"adapter {label}: {r} is more than the smaller dimension of the targeted layers "
+                          f"({name}: {a} x {b}), beyond which a rank adds parameters but no capacity; use at most "
+                          f"{min(a, b)}, or full fine-tuning (adapter = \"full\")")
+
+
+def check_modules_to_save(model: Any, entries: list[str] | None, *, label: str = "modules_to_save") -> None:
+    """Each ``modules_to_save`` entry names a module of the model (peft's rule: the module's path, or its
+    end after a dot); peft would skip one that names none, and the stage would train without it."""
+    if not entries:
+        return
+    every = [p for p, _ in model.named_modules() if p]
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    for entry in entries:
+        if not any(_matches(entry, p) for p in every):
+            from ftcore.errors import did_you_mean
+
+            leaves = sorted({p.split(".")[-1] for p in every if not p.split(".")[-1].isdigit()})
+            raise FtcoreError(f"adapter {label}: {entry!r} matches no module in this {model_type} model"
+                              f"{did_you_mean(entry.split('.')[-1], leaves)}; its modules are named: "
+                              f"{', '.join(leaves)}")

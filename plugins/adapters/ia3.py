@@ -26,10 +26,11 @@ class Ia3Adapter(PeftAdapter):
     def peft_config(self, model, ctx):
         from peft import IA3Config
 
-        from ftcore_plugins.adapters._targets import resolve
+        from ftcore_plugins.adapters._targets import check_modules_to_save, resolve
 
         o = self.options
         targets = resolve(model, o.target_modules, embeddings=False, feedforward=o.feedforward_modules)
+        check_modules_to_save(model, o.modules_to_save)
         ctx.reporter.info(f"adapter {self.name}: targets {targets.describe()}; feedforward (input scaled): "
                           f"{', '.join(targets.feedforward) or 'none'}")
         return IA3Config(task_type="CAUSAL_LM", target_modules=targets.names,

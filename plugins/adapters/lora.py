@@ -68,7 +68,12 @@ class PeftAdapter(Component):
             if ctx.run is not None:
                 torch.manual_seed(self.init_seed(ctx.run.plan.seed))
             model = expose_head_bias(get_peft_model(model, config))
-        report_trainable(model, ctx.reporter, self.label())
+        counts = report_trainable(model, ctx.reporter, self.label())
+        own = counts["total_params"] - counts["trainable_params"]
+        if counts["trainable_params"] > own:
+            ctx.reporter.warn(f"{self.label()} trains {counts['trainable_params']:,} parameters, more than the "
+                              f"model's own {own:,}: an adapter that large saves nothing over full fine-tuning; "
+                              "choose a smaller one, or adapter = \"full\"")
         return model
 
     def save(self, model, path):
@@ -126,10 +131,12 @@ class LoraAdapter(PeftAdapter):
     def peft_config(self, model, ctx):
         from peft import LoraConfig
 
-        from ftcore_plugins.adapters._targets import resolve
+        from ftcore_plugins.adapters._targets import check_modules_to_save, check_rank, resolve
 
         o = self.options
         targets = resolve(model, o.target_modules)
+        check_rank(model, targets, o.r)
+        check_modules_to_save(model, o.modules_to_save)
         ctx.reporter.info(f"adapter {self.name}: targets {targets.describe()}")
         return LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
                           target_modules=targets.names, fan_in_fan_out=targets.conv1d, bias=o.bias,

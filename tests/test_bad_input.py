@@ -12,12 +12,21 @@ the classes below, and ``test_the_corpus_covers_every_class`` counts them.
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from test_plan_errors import BASE, CASES, EVALUATE, append, ftcore, snapshot, sub, write_project
+from test_plan_errors import BASE, CASES, EVALUATE, ROWS, append, ftcore, snapshot, sub, write_project
 
 from ftcore import rundir
 
@@ -28,7 +37,8 @@ CLASSES = {
     "numbers": "numbers out of bounds: inf, nan, zero, negative, too large",
     "references": "names of data, stages, phases and requirements that do not resolve",
     "paths": "paths that do not exist, or that a file stands in the way of",
-    "model": "what only the model's shapes decide: context length, target modules (checked on the meta model)",
+    "model": "the model's files and shapes: context length, target modules, adapter rank, heads, architecture, "
+             "config, weights, tokenizer (from the files, then on the meta model)",
     "data": "data files: bad JSON, encodings, rows the trainer cannot use",
 }
 
@@ -139,6 +149,35 @@ VALIDATE = [
      "data.train.path: no file matches '{tmp}/data/*.jsonl' (got 'data/*.jsonl')"),
 ]
 
+# Issue #30, section 1: what `validate` let through.
+THREE_STAGES = lambda t: sub('adapter = { use = "lora", r = 8 }\n', "")(t) + "".join(  # noqa: E731
+    f'\n[[stage]]\nname = "more{i}"\ntrainer = "sft"\ndata = "train"\n' for i in (1, 2))
+VALIDATE += [
+    ("types", "stage-written-as-a-table", sub("[[stage]]", "[stage]"),
+     "stage: must be an array of tables: write each stage as [[stage]] (double brackets), not [stage]"),
+    ("numbers", "seed-negative", sub("seed = 1", "seed = -1"),
+     "run.seed: must be between 0 and 4294967295 (2**32 - 1), got -1"),
+    ("numbers", "seed-too-large", sub("seed = 1", "seed = 4294967296"),
+     "run.seed: must be between 0 and 4294967295 (2**32 - 1), got 4294967296"),
+    # The top-level [adapter] is named where it is written, once, however many stages use it.
+    ("names", "top-level-adapter-unknown-key",
+     lambda t: sub("[template]", '[adapter]\nuse = "lora"\nlora_aplha = 16\n\n[template]')(THREE_STAGES(t)),
+     "adapter.lora_aplha: unknown key for adapter 'lora'; did you mean 'lora_alpha'? Valid keys: bias, lora_alpha, "
+     "lora_dropout, modules_to_save, r, target_modules, use, use_rslora"),
+    ("numbers", "top-level-adapter-r-zero",
+     lambda t: sub("[template]", '[adapter]\nuse = "lora"\nr = 0\n\n[template]')(THREE_STAGES(t)),
+     "adapter.r: input should be greater than 0 (got 0)"),
+    ("model", "hidden-size-not-a-multiple-of-heads", sub("hidden_size = 32", "hidden_size = 33"),
+     "model.hidden_size: 33 is not a multiple of num_heads (2), so the heads cannot share the width; use a multiple "
+     "of 2, such as 32"),
+    ("model", "kv-heads-not-dividing-heads", sub("num_heads = 2", "num_heads = 4\nnum_kv_heads = 3"),
+     "model.num_kv_heads: 3 does not divide num_heads (4): each key/value head must serve the same number of query "
+     "heads; use a divisor of 4, such as 2"),
+    ("model", "heads-set-in-config", sub("vocab_size = 300", "vocab_size = 300\nconfig = { num_attention_heads = 5 }"),
+     "model.hidden_size: 32 is not a multiple of config.num_attention_heads (5), so the heads cannot share the width; "
+     "use a multiple of 5, such as 30"),
+]
+
 # Plans with an `hf` model, whose path options are checked as folders or hub ids.
 HF = ("[model]\nuse = \"scratch\"\nhidden_size = 32\nnum_layers = 1\nnum_heads = 2\n"
       "tokenizer_data = [\"train\"]\nvocab_size = 300\n")
@@ -150,6 +189,8 @@ VALIDATE += [
      "model.tokenizer: no such folder: {tmp}/tokenizer (a Hugging Face id is written org/name) (got 'tokenizer')"),
     ("paths", "hf-absolute-folder-missing", sub(HF, '[model]\nuse = "hf"\npath = "/nonexistent/ftcore/model"\n'),
      "model.path: no such folder: /nonexistent/ftcore/model (got '/nonexistent/ftcore/model')"),
+    ("paths", "hf-id-invalid", sub(HF, '[model]\nuse = "hf"\npath = "org/my--model"\n'),
+     "model.path: no such folder: {tmp}/org/my--model (nor a valid Hugging Face id) (got 'org/my--model')"),
 ]
 
 # Cases only a run finds: the model's shapes (checked on the meta device before any weight is read, and
@@ -264,9 +305,312 @@ def test_run_refuses_with_one_line_and_leaves_nothing_in_the_way(tmp_path, cls, 
 
 
 def test_the_corpus_covers_every_class():
-    counts = Counter([CLASS_OF[c[0]] for c in CASES] + [c[0] for c in VALIDATE] + [c[0] for c in RUN])
+    counts = Counter([CLASS_OF[c[0]] for c in CASES] + [c[0] for c in VALIDATE] + [c[0] for c in RUN]
+                     + [c[0] for c in MODEL])
     print("\n" + "\n".join(f"{cls:>10}: {counts[cls]:3d}  {what}" for cls, what in CLASSES.items()))
     print(f"{'total':>10}: {sum(counts.values()):3d}")
     assert set(CLASS_OF) == {c[0] for c in CASES}
     assert set(counts) == set(CLASSES) and min(counts.values()) >= 3
     assert sum(counts.values()) >= 80
+
+
+# -- issue #30, section 1: model, tokenizer, adapter and hub problems, one line each ----------------------
+#
+# Each case is a plan (BASE with its [model] replaced, or mutated), the files it needs beside it, and the
+# line: validate refuses it ("validate": so does run, with the same line) or only a run's preflight can
+# (it needs transformers: "run"); either way before the run folder exists. "…" in a line stands for text
+# that transformers, the network or a file size words. Each is then run again, without flags, and meets
+# the same line: nothing the first attempt left is in the way.
+
+def _hf(model: str) -> Callable[[str], str]:
+    return sub(HF, "[model]\nuse = \"hf\"\n" + model)
+
+
+def _config(**fields: Any) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        path = folder / "base" / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return change
+
+
+def _truncate(name: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        path = folder / "base" / name
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return change
+
+
+def _remove(*names: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        for name in names:
+            (folder / "base" / name).unlink()
+    return change
+
+
+def _folder(name: str, *files: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        (folder / name).mkdir()
+        for file in files:
+            (folder / name / file).write_text("notes\n")
+    return change
+
+
+def _corrupt_tokenizer(folder: Path) -> None:
+    shutil.copytree(folder / "base", folder / "tok")
+    path = folder / "tok" / "tokenizer.json"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _none(folder: Path) -> None:
+    pass
+
+
+LORA = 'adapter = { use = "lora", r = 8 }'
+UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9"}  # port 9 (discard): refused at once, whatever the network
+
+# (class, id, plan mutation, files, where it is refused, extra environment, line after "<plan>: ")
+MODEL = [
+    ("model", "hf-model-folder-empty", _hf('path = "empty"\ntokenizer = "base"\n'), _folder("empty"), "validate", {},
+     "model.path: {tmp}/empty is an empty folder, not a model (no config.json, no weights)"),
+    ("model", "hf-model-folder-without-config", _hf('path = "notes"\ntokenizer = "base"\n'),
+     _folder("notes", "README.md"), "validate", {},
+     "model.path: {tmp}/notes holds no config.json, so it is not a transformers model folder"),
+    ("model", "hf-tokenizer-folder-empty", _hf('path = "base"\ntokenizer = "tok"\n'), _folder("tok"), "validate", {},
+     "model.tokenizer: {tmp}/tok is an empty folder (no tokenizer.json, tokenizer_config.json, tokenizer.model, "
+     "vocab.json, ...)"),
+    ("model", "hf-tokenizer-path-is-a-file", _hf('path = "base"\ntokenizer = "base/tokenizer.json"\n'), _none,
+     "validate", {}, "model.tokenizer: {tmp}/base/tokenizer.json is a file, not a tokenizer folder (point to the "
+                     "folder that holds it)"),
+    ("model", "hf-hidden-size-not-a-multiple-of-heads", _hf('path = "base"\n'),
+     _config(num_attention_heads=3, head_dim=None), "validate", {},
+     "model.path: {tmp}/base/config.json: hidden_size 32 is not a multiple of num_attention_heads 3, and no head_dim "
+     "is set: the heads cannot share the width"),
+    # The same edit where config.json keeps its head_dim (as transformers writes it): transformers refuses it.
+    ("model", "hf-hidden-size-not-a-multiple-of-heads-with-head-dim", _hf('path = "base"\n'),
+     _config(num_attention_heads=3), "run", {},
+     "model.path: {tmp}/base/config.json: transformers cannot build this model: …32…3…"),
+    # Heads that divide, but not the ones the weights were saved with.
+    ("model", "hf-config-does-not-match-the-weights", _hf('path = "base"\n'), _config(num_attention_heads=4),
+     "run", {}, "model.path: {tmp}/base/config.json does not match the weights: model.layers.0.self_attn.q_proj.weight "
+                "is [32, 32] in model.safetensors, [64, 32] by the config"),
+    ("model", "hf-kv-heads-not-dividing-heads", _hf('path = "base"\n'),
+     _config(num_attention_heads=4, num_key_value_heads=3), "validate", {},
+     "model.path: {tmp}/base/config.json: num_key_value_heads 3 does not divide num_attention_heads 4: each key/value "
+     "head must serve the same number of query heads"),
+    ("model", "hf-truncated-safetensors", _hf('path = "base"\n'), _truncate("model.safetensors"), "validate", {},
+     "model.path: {tmp}/base/model.safetensors is truncated: … of its … bytes; copy or download it again"),
+    ("model", "hf-unknown-model-type", _hf('path = "base"\n'), _config(model_type="lama"), "run", {},
+     "model.path: {tmp}/base/config.json: unknown model type 'lama' (transformers … does not know it; a newer one "
+     "may); did you mean 'llama'?"),
+    ("model", "hf-corrupt-tokenizer-json", _hf('path = "base"\ntokenizer = "tok"\n'), _corrupt_tokenizer, "run", {},
+     "model.tokenizer: {tmp}/tok/tokenizer.json cannot be read: …"),
+    ("model", "hf-folder-without-weights", _hf('path = "base"\n'), _remove("model.safetensors"), "run", {},
+     "model.path: {tmp}/base has a config.json but no weights (*.safetensors or pytorch_model.bin)"),
+    ("model", "hf-folder-without-tokenizer", _hf('path = "base"\n'), _remove("tokenizer.json", "tokenizer_config.json"),
+     "run", {}, "model.path: {tmp}/base holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model, "
+                "vocab.json, ...); set model.tokenizer to the tokenizer's folder or hub id"),
+    ("paths", "hf-local-looking-id", _hf('path = "models/base"\n'), _folder("models"), "validate", {},
+     "model.path: no such folder: {tmp}/models/base (there is a folder {tmp}/models, so this is not read as a "
+     "Hugging Face id) (got 'models/base')"),
+    ("paths", "hf-id-offline", _hf('path = "models/base"\n'), _none, "validate", {"HF_HUB_OFFLINE": "1"},
+     "model.path: no such folder: {tmp}/models/base (nor a model in the Hugging Face cache, and HF_HUB_OFFLINE is "
+     "set) (got 'models/base')"),
+    ("paths", "hf-id-hub-unreachable", _hf('path = "models/base"\n'), _none, "run", UNREACHABLE,
+     "model.path: no such folder: {tmp}/models/base, and the Hugging Face hub (http://127.0.0.1:9) cannot be reached "
+     "to fetch 'models/base' (…); download it where the hub is reachable, or name a local folder"),
+    ("paths", "hf-tokenizer-id-hub-unreachable", _hf('path = "base"\ntokenizer = "org/tokenizer"\n'), _none, "run",
+     UNREACHABLE, "model.tokenizer: no such folder: {tmp}/org/tokenizer, and the Hugging Face hub "
+                  "(http://127.0.0.1:9) cannot be reached to fetch 'org/tokenizer' (…); download it where the hub is "
+                  "reachable, or name a local folder"),
+    ("model", "scratch-unknown-architecture", sub("num_layers = 1", 'num_layers = 1\narchitecture = "lama"'), _none,
+     "run", {}, "model.architecture: unknown architecture 'lama' (transformers … does not know it; a newer one may); "
+                "did you mean 'llama'?"),
+    ("model", "scratch-odd-head-size", sub("hidden_size = 32", "hidden_size = 30"), _none, "run", {},
+     "model.hidden_size: transformers cannot build this llama model: …head_dim…"),
+    ("model", "lora-r-beyond-the-model", sub(LORA, 'adapter = { use = "lora", r = 100000 }'), _none, "run", {},
+     "stage[0].adapter.r: 100000 is more than the smaller dimension of the targeted layers (q_proj: 32 x 32), beyond "
+     "which a rank adds parameters but no capacity; use at most 32, or full fine-tuning (adapter = \"full\")"),
+    ("model", "top-level-adapter-r-beyond-the-model",
+     lambda t: sub("[template]", '[adapter]\nuse = "lora"\nr = 64\n\n[template]')(THREE_STAGES(t)), _none, "run", {},
+     "adapter.r: 64 is more than the smaller dimension of the targeted layers (q_proj: 32 x 32), beyond which a rank "
+     "adds parameters but no capacity; use at most 32, or full fine-tuning (adapter = \"full\")"),
+    ("model", "modules-to-save-not-in-model", sub(LORA, 'adapter = { use = "lora", r = 8, modules_to_save = '
+                                                        '["score_head"] }'), _none, "run", {},
+     "stage[0].adapter.modules_to_save: 'score_head' matches no module in this llama model; its modules are named: "
+     "act_fn, down_proj, embed_tokens, …, v_proj"),
+    ("model", "ia3-modules-to-save-not-in-model", sub(LORA, 'adapter = { use = "ia3", modules_to_save = ["lm_haed"] }'),
+     _none, "run", {}, "stage[0].adapter.modules_to_save: 'lm_haed' matches no module in this llama model; did you "
+                       "mean 'lm_head'?; its modules are named: …"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> Path:
+    """A 1-layer llama (hidden 32, 2 heads, 1 key/value head) with a byte-level BPE tokenizer trained on the
+    base plan's rows, saved as a transformers folder."""
+    pytest.importorskip("torch")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator([m["content"] for row in ROWS for m in row["messages"]],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                                  max_position_embeddings=128)
+    folder = tmp_path_factory.mktemp("tiny-hf") / "base"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _matches(line: str, want: str) -> bool:
+    return re.fullmatch(".*".join(re.escape(part) for part in want.split("…")), line, re.S) is not None
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftcore", *args], capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "FTCORE_LOAD_PLUGINS": "", **env})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls, mutate, files, where, env, line", [c[:1] + c[2:] for c in MODEL],
+                         ids=[c[1] for c in MODEL])
+def test_model_problems_are_one_line_before_the_run_folder(tmp_path, tiny_hf, cls, mutate, files, where, env, line):
+    plan = write_project(tmp_path, mutate(BASE))
+    if "base" in plan.read_text():
+        shutil.copytree(tiny_hf, tmp_path / "base")
+    files(tmp_path)
+    env = {"HF_HOME": str(tmp_path.parent / f"{tmp_path.name}-hf-home"), **env}  # an empty hub cache
+    want = f"{plan}: {_expected(line, plan)}"
+    before = snapshot(tmp_path)
+    validated = _cli("validate", str(plan), env=env)
+    if where == "validate":
+        assert _matches(_one_line(validated, plan), want), (validated.stderr, want)
+    else:
+        assert validated.returncode == 0, validated.stderr
+    started = time.monotonic()
+    got = _one_line(_cli("run", str(plan), env=env), plan)
+    assert _matches(got, want), (got, want)
+    assert len(got) < 600, got  # no list of every model type transformers knows
+    assert time.monotonic() - started < 120  # no retries against a hub that is not there
+    assert not (tmp_path / "runs").exists() and snapshot(tmp_path) == before
+    # A rerun without flags meets the same line: the first left nothing in the way.
+    assert _one_line(_cli("run", str(plan), env=env), plan) == got
+
+
+@pytest.mark.slow
+def test_a_run_that_trained_nothing_reruns_without_flags(tmp_path):
+    """A run that failed before its first training step (its step-0 records: the loss kernel, the trainable
+    parameters) holds nothing to keep: the next `ftcore run`, of this plan or a changed one, starts over
+    without --force or --resume."""
+    plan = write_project(tmp_path, sub("epochs = 1", "max_steps = 1")(BASE))
+    run = tmp_path / "runs" / "tiny"
+    (run / "stages" / "sft" / "checkpoints").mkdir(parents=True)
+    rundir.write_json(run / rundir.MANIFEST, {"status": "failed", "plan_fingerprint": "another plan",
+                                              "plan_path": str(plan), "error": "Seed must be between 0 and 2**32 - 1"})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"stage": "memory", "step": None, "baseline/rss_mib": 500.0},
+        {"stage": "sft", "step": 0, "loss_kernel": "chunked"},
+        {"stage": "sft", "step": 0, "trainable_params": 5888, "total_params": 31808}]))
+    assert not rundir.trained_anything(run)
+    result = _cli("run", str(plan), env={})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the previous run here failed before training" in result.stdout
+    assert rundir.read_json(run / rundir.MANIFEST)["status"] == "complete"
+    # A step 1 is training: that run is kept, and a changed plan is refused there.
+    assert rundir.trained_anything(run)
+
+
+def test_step_zero_bookkeeping_is_not_training(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"stage": "sft", "step": 0, "loss_kernel": "chunked"}) + "\n")
+    assert not rundir.trained_anything(tmp_path)
+    with (tmp_path / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({"stage": "sft", "step": 1, "loss": 2.5}) + "\n")
+    assert rundir.trained_anything(tmp_path)
+    rundir.write_json(tmp_path / rundir.MANIFEST, {"status": "failed", "plan_fingerprint": "a"})
+    with pytest.raises(rundir.FtcoreError, match="holds a run of a different plan"):
+        rundir.prepare(tmp_path, "b", resume=False, force=False)
+
+
+# -- the command line itself -----------------------------------------------------------------------------
+
+def _main(monkeypatch, capsys, raised: BaseException, argv: list[str]) -> tuple[int, list[str]]:
+    from ftcore import cli
+
+    def command(args):
+        raise raised
+
+    monkeypatch.setattr(cli, "cmd_run", command)
+    monkeypatch.setenv("FTCORE_LOAD_PLUGINS", "")
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_a_plugin_failure_is_one_line(monkeypatch, capsys):
+    from ftcore.errors import ComponentError
+
+    failure = ComponentError("evaluator 'crash' from plugin 'crash' (crash-evals 1.0) failed in evaluate() "
+                             "[evaluation 'crash', evaluate[0]]: ValueError: bad thing happened")
+    code, lines = _main(monkeypatch, capsys, failure, ["run", "plan.toml"])
+    assert code == 1 and lines == [f"error: {failure} (run with --debug for the traceback)"]
+    code, lines = _main(monkeypatch, capsys, failure, ["run", "--debug", "plan.toml"])
+    assert code == 1 and lines[0] == f"error: {failure}" and "Traceback (most recent call last):" in lines
+
+
+def test_an_interrupted_run_names_its_plan(monkeypatch, capsys):
+    from ftcore.errors import Interrupted
+
+    code, lines = _main(monkeypatch, capsys, KeyboardInterrupt(), ["run", "my plans/a.toml"])
+    assert code == 130 and lines == ["interrupted; continue with: ftcore run 'my plans/a.toml' --resume"]
+    # A second Ctrl-C in a stage that did not know the plan's path: the CLI names it.
+    again = Interrupted("stage sft: SIGINT again: stopped at once, without a checkpoint; no checkpoint was saved yet; "
+                        "resume with: ftcore run <plan> --resume", 130)
+    code, lines = _main(monkeypatch, capsys, again, ["run", "plan.toml"])
+    assert code == 130 and lines == ["stage sft: SIGINT again: stopped at once, without a checkpoint; no checkpoint "
+                                     "was saved yet; resume with: ftcore run plan.toml --resume"]
+
+
+def test_python_m_ftcore_cli_prints_its_help():
+    result = subprocess.run([sys.executable, "-m", "ftcore.cli", "--help"], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "FTCORE_LOAD_PLUGINS": ""})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ftcore") and "validate" in result.stdout
+    assert result.stderr == ""
+
+
+def test_an_adapter_larger_than_the_model_is_warned():
+    """r within every targeted layer's dimensions, but an adapter with more parameters than the model."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftcore.context import AdapterContext
+    from ftcore.plugins import get_plugin_manager
+
+    class Kept:
+        def __init__(self):
+            self.warnings: list[str] = []
+
+        def info(self, message):
+            pass
+
+        def warn(self, message):
+            self.warnings.append(message)
+
+    config = AutoConfig.for_model("llama", vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                  num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    reg = get_plugin_manager(entry_points=False).registry().resolve("adapter", "lora")
+    warned = {}
+    for r in (16, 4):
+        reporter = Kept()
+        model = AutoModelForCausalLM.from_config(config)
+        reg.cls(reg.cls.Options(r=r)).apply(model, AdapterContext(None, reporter, None))
+        warned[r] = reporter.warnings
+    assert warned[4] == [], warned
+    assert len(warned[16]) == 1 and warned[16][0].startswith("adapter lora (r=16) trains ") \
+        and "parameters, more than the model's own " in warned[16][0], warned

@@ -80,7 +80,7 @@ def main() -> None:
     data = folder / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plan_path = folder / "plan.toml"
-    plan_path.write_text(f'[run]\nname = "bench"\n[model]\nuse = "hf"\npath = "{tok_dir}"\n[template]\n'
+    plan_path.write_text(f'[run]\nname = "bench"\n[model]\nuse = "scratch"\ntokenizer = "{tok_dir}"\n[template]\n'
                          f'use = "chatml"\n[data.chat]\nuse = "jsonl"\npath = "{data}"\non_error = "skip"\n'
                          '[[stage]]\nname = "sft"\ntrainer = "sft"\ndata = "chat"\nadapter = "lora"\n')
     plan = load_plan(plan_path, get_plugin_manager(entry_points=False).registry())

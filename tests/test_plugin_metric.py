@@ -48,3 +48,5 @@ def test_a_subclass_logs_a_metric_at_every_step(ftcore_stage):
     assert logged[12] > logged[1]  # the trained tokens grow likelier as it learns
     losses = ctx.reporter.losses("sft")
     assert sorted(losses) == [4, 8, 12]  # the stage's own records are as before
+    # Every stage says which loss it trained with: here, the subclass's own.
+    assert {r.get("loss_kernel") for r in ctx.reporter.records if r.get("step") == 0} >= {"compute_loss"}

@@ -64,6 +64,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
         trainer_cls = self.trainer_class(ctx)
         if self.compute_loss is not None:
             trainer_cls = with_loss(trainer_cls, self.compute_loss)
+            ctx.reporter.log(ctx.stage, {"loss_kernel": "compute_loss"}, step=0)  # the subclass's own
         else:
             kernel = resolve_kernel(self.options.loss_kernel, ctx.model, sharded=sharded_head(ctx.run),
                                     liger=self.options.liger)

@@ -129,9 +129,10 @@ class SpanLocator:
                                     "does not render tool calls, so the call would be dropped from training; use "
                                     "a template that renders them (e.g. \"native\" with a tool-calling model)")
             self._check_reasoning(messages, tools, i, text[start:end])
-            if not closed and i == len(messages) - 1:
+            if not closed and i == len(messages) - 1 and text[start:end].strip():
                 # The template renders nothing after the conversation's last turn (GLM): the model would
-                # never learn to stop on rows that end here. The token that closes its turns is added.
+                # never learn to stop on rows that end here. The token that closes its turns is added
+                # (not after a turn the template renders empty: that answer is dropped, not unclosed).
                 closing = self.closing_token(bool(tools))
                 if closing:
                     text = text[:end] + closing + text[end:]

@@ -197,6 +197,11 @@ def _shape(module: Any) -> tuple[int, int] | None:
     return None
 
 
+# Output layers of a task (transformers' sequence-classification heads, TRL's value head): as narrow as
+# their labels, so they bound no rank.
+TASK_HEADS = {"score", "classifier", "v_head"}
+
+
 def check_rank(model: Any, targets: Targets, r: int, *, label: str = "r") -> None:
     """A rank no larger than the smaller dimension of every targeted layer: a LoRA update of a layer
     ``in x out`` has rank at most ``min(in, out)``, and at that rank it already holds more parameters than
@@ -204,6 +209,8 @@ def check_rank(model: Any, targets: Targets, r: int, *, label: str = "r") -> Non
     modules = dict(model.named_modules())
     narrowest = None
     for path in targets.modules:
+        if path.rpartition(".")[2] in TASK_HEADS:  # a reward or classification head: one value a label
+            continue
         shape = _shape(modules[path])
         if shape is not None and (narrowest is None or min(shape) < min(narrowest[1])):
             narrowest = (path, shape)

@@ -185,9 +185,11 @@ def _model_device(model) -> str:
     where it will train: a GPU when one is visible to torch."""
     import torch
 
+    from ftcore_plugins.common.device_defaults import model_device
+
     parameter = next(iter(model.parameters()), None)
     if parameter is not None and parameter.device.type != "meta":
-        return parameter.device.type
+        return model_device(model)
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

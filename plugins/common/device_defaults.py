@@ -91,3 +91,18 @@ def model_device(model: Any) -> str:
     placed on a GPU; ``"cpu"`` for one without parameters)."""
     parameter = next(iter(model.parameters()), None)
     return "cuda" if parameter is not None and parameter.device.type == "cuda" else "cpu"
+
+
+def optimizer_for(name: str, device: str | None = None) -> str:
+    """``optimizer = "auto"``: the optimizer of ``device`` (this machine's when None), AdamW fused into one
+    kernel on a GPU; any other name as it is."""
+    return defaults(device).optimizer if name == "auto" else name
+
+
+def loss_kernel_for(device: str) -> str:
+    """``loss_kernel = "auto"`` on ``device``: the first of its defaults that runs here (Liger needs a GPU
+    and liger-kernel)."""
+    import importlib.util
+
+    runs = {"liger": device == "cuda" and importlib.util.find_spec("liger_kernel") is not None}
+    return next((k for k in defaults(device).loss_kernels if runs.get(k, True)), "chunked")

@@ -270,10 +270,10 @@ _CUDA_RUNTIME = 768 * MiB
 
 
 def trainer_memory_settings(trainer: Any, *, device: str = "cpu") -> dict[str, Any]:
-    from ftcore_plugins.trainers._optimizers import resolved
+    from ftcore_plugins.common.device_defaults import optimizer_for
 
     o = trainer.options
-    optimizer = resolved(o.optimizer, device)
+    optimizer = optimizer_for(o.optimizer, device)
     offloaded = device == "cuda" and getattr(o, "activation_offloading", False)  # turns checkpointing on
     out = {"batch_size": o.batch_size, "seq_len": o.max_length,
            "gradient_checkpointing": o.gradient_checkpointing or offloaded,
@@ -486,14 +486,14 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
 
 def _loss_kernel(trainer: Any, device: str) -> str:
     """The loss kernel the trainer runs on ``device``: its ``loss_kernel`` option (TRL's fused LM
-    head without one), ``auto`` resolved as sft/pretrain resolve it (``trainers/_loss.py``): the
+    head without one), ``auto`` resolved as sft/pretrain resolve it (``device_defaults.loss_kernel_for``): the
     device's first default that runs there, Liger only on CUDA with liger-kernel installed."""
-    from ftcore_plugins.trainers._loss import auto_kernel
+    from ftcore_plugins.common.device_defaults import loss_kernel_for
 
     o = getattr(trainer, "options", None)
     kernel = getattr(o, "loss_kernel", "trl")
     if kernel == "auto":
-        kernel = auto_kernel(device)
+        kernel = loss_kernel_for(device)
     if kernel == "chunked" and getattr(o, "liger", False):
         kernel = "liger"
     return kernel
@@ -513,9 +513,9 @@ def trainer_optimizer_bytes(trainer: Any, params: list, *, device: str = "cpu") 
     runs ``foreach`` on CUDA, which materialises intermediates such as sqrt(v) for every
     parameter at once (one copy of the parameters' size), and one parameter at a time on CPU
     (about two copies of the largest parameter)."""
-    from ftcore_plugins.trainers._optimizers import resolved
+    from ftcore_plugins.common.device_defaults import optimizer_for
 
-    name = resolved(trainer.options.optimizer, device)  # auto: the device's AdamW, as the trainers resolve it
+    name = optimizer_for(trainer.options.optimizer, device)  # auto: the device's AdamW, as the trainers resolve it
     n = sum(p.numel() for p in params)
     own = sum(p.numel() * p.element_size() for p in params)
     largest = max((p.numel() * p.element_size() for p in params), default=0)

@@ -364,6 +364,8 @@ def to_host(loss: Any, grad_norm: Any) -> tuple[float, float | None]:
     """The step's loss and gradient norm as floats, read from the device together: one host sync a step."""
     import torch
 
+    # FSDP2's norm (and a sharded loss) is a DTensor, which has no tolist: its full value first.
+    loss, grad_norm = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (loss, grad_norm))
     if isinstance(grad_norm, torch.Tensor) and grad_norm.device == loss.device:
         both = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())]).tolist()
         return both[0], both[1]

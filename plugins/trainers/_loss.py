@@ -169,10 +169,10 @@ def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: boo
     ``liger`` with ``liger``, where no logit scale is needed); else ``trl`` for an LM head that FSDP or
     ZeRO-3 shards (``sharded``: TRL's kernel gathers it), and ``full`` for a mixture of experts'
     auxiliary loss or a logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
-    from ftcore_plugins.common.device_defaults import model_device
+    from ftcore_plugins.common.device_defaults import loss_kernel_for, model_device
 
     if kernel == "auto":
-        kernel = auto_kernel(device or model_device(model))
+        kernel = loss_kernel_for(device or model_device(model))
     if kernel not in ("chunked", "liger"):
         return kernel
     if sharded:
@@ -191,17 +191,6 @@ def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: boo
     if (kernel == "liger" or liger) and transform[1] == 1.0:
         return "liger"
     return "chunked"
-
-
-def auto_kernel(device: str) -> str:
-    """``loss_kernel = "auto"`` on ``device``: the first of its defaults that runs here (Liger needs a GPU
-    and liger-kernel)."""
-    import importlib.util
-
-    from ftcore_plugins.common.device_defaults import defaults
-
-    runs = {"liger": device == "cuda" and importlib.util.find_spec("liger_kernel") is not None}
-    return next((k for k in defaults(device).loss_kernels if runs.get(k, True)), "chunked")
 
 
 def chunk_elements(model: Any) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 from ftcore.errors import unknown_choice
+from ftcore_plugins.common.device_defaults import optimizer_for
 
 ALIASES = {"lion": "lion_32bit"}
 
@@ -36,7 +37,7 @@ GALORE_TARGETS = [r".*attn.*", r".*mlp.*"]
 
 
 def optimizer_name(name: str) -> str:
-    """transformers' name for ``name`` (an alias resolved; ``auto`` kept, see :func:`resolved`); raises
+    """transformers' name for ``name`` (an alias resolved; ``auto`` kept, see ``device_defaults.optimizer_for``); raises
     ValueError for an unknown one."""
     name = ALIASES.get(name, name)
     if name != "auto" and name not in OPTIMIZERS:
@@ -44,19 +45,9 @@ def optimizer_name(name: str) -> str:
     return name
 
 
-def resolved(name: str, device: str | None = None) -> str:
-    """``auto``: the optimizer of ``device`` (``cpu``, ``cuda``; this machine's when None) from
-    ``device_defaults``: AdamW, fused into one kernel on a GPU; any other name as it is."""
-    if name != "auto":
-        return name
-    from ftcore_plugins.common.device_defaults import defaults
-
-    return defaults(device).optimizer
-
-
 def optimizer_problem(name: str, *, adapter: str | None) -> str | None:
     """Why ``optimizer = name`` cannot run here (a missing package, GaLore on an adapter)."""
-    name = resolved(name)
+    name = optimizer_for(name)
     needs = OPTIMIZERS[name]
     if needs is not None and importlib.util.find_spec(needs[0]) is None:
         return f"optimizer: {name} needs the {needs[1]} package, which is not installed (pip install {needs[1]})"
@@ -68,7 +59,7 @@ def optimizer_problem(name: str, *, adapter: str | None) -> str | None:
 
 def optimizer_arguments(name: str, device: str | None = None) -> dict:
     """TrainingArguments for ``optimizer = name`` on ``device`` (this machine's when None)."""
-    name = resolved(name, device)
+    name = optimizer_for(name, device)
     args: dict = {"optim": name}
     if name.startswith("galore_"):
         args["optim_target_modules"] = GALORE_TARGETS

@@ -67,6 +67,36 @@ def test_every_builtin_component_and_option_is_in_the_plan_reference():
                 assert f"`{option}`" in REFERENCE, f"{kind} '{reg.name}' option '{option}' is undocumented"
 
 
+# -- the README: a page read in five minutes; the reference lives in docs/ -------------------------
+
+README = (ROOT / "README.md").read_text()
+DOCS_ALL = "".join(p.read_text() for p in sorted((ROOT / "docs").glob("*.md")))
+
+
+def test_the_readme_is_short_and_gives_both_commands_first():
+    assert len(README) < 10_000, f"README.md has {len(README)} characters: move reference material to docs/"
+    blocks = [b.strip() for b in re.findall(r"```\w*\n(.*?)```", README, re.S)]
+    quickstart, tests = blocks[:2]
+    assert quickstart.startswith("python3 -m venv .venv") and quickstart.endswith(
+        "ftcore run examples/quickstart/plan.toml")
+    assert tests.startswith("python3 -m venv .venv") and tests.endswith("python -m pytest -q -n 2")
+    # .ci/run runs exactly the README's test command.
+    assert tests.rpartition(" && ")[2] in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_every_command_is_in_the_readme_and_in_docs():
+    commands, problems = get_plugin_manager(entry_points=False).commands()
+    assert not problems
+    for name in ["run", "validate", "plugins", *commands]:
+        assert f"`ftcore {name}" in README, f"ftcore {name} is not in the README's table of commands"
+        assert f"ftcore {name}" in DOCS_ALL, f"ftcore {name} is described nowhere in docs/"
+
+
+def test_the_readme_links_every_doc():
+    unlinked = [d.name for d in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{d.name}" not in README]
+    assert not unlinked, f"README.md's Documentation list lacks {unlinked}"
+
+
 # -- the layout by kind ----------------------------------------------------------------------------
 
 def _imports(path):

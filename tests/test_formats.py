@@ -318,7 +318,7 @@ def test_not_an_object():
 def test_convert_batch_never_raises_and_marks_bad_rows_in_order():
     batch = {"instruction": ["a", None, "c", "d"], "output": ["1", None, None, "4"], "text": [None, "t", None, None]}
     out = F.convert_batch(batch, "auto", "chat")
-    assert list(out) == ["messages", "tools", F.ERROR_COLUMN, F.FORMAT_COLUMN]
+    assert list(out) == ["messages", "tools", "images", F.ERROR_COLUMN, F.FORMAT_COLUMN]  # both pruned when unused
     assert out[F.FORMAT_COLUMN] == ["alpaca", None, None, "alpaca"]
     empty = {"tool_calls": None, "name": None, "reasoning_content": None, "tool_call_id": None, "weight": None}
     assert out["messages"][0] == [{"role": "user", "content": "a", **empty},
@@ -397,9 +397,9 @@ def test_content_parts_mixing_value_and_text_say_so():
                                                                   {"type": "text", "value": "there"}]}]}
     assert error_of(row) == ("'messages[1].content[1]' has 'value'; text parts need 'text'", "missing_field",
                              "messages")
-    row["messages"][1]["content"] = [{"type": "image_url", "image_url": {"url": "x"}}]
-    assert error_of(row)[0] == "'messages[1].content[0]' is a 'image_url' part; only text parts " \
-        "{\"type\": \"text\", \"text\": ...} are supported"
+    row["messages"][1]["content"] = [{"type": "input_audio", "input_audio": {"data": "x"}}]
+    assert error_of(row)[0] == "'messages[1].content[0]' is a 'input_audio' part; only text parts " \
+        "{\"type\": \"text\", \"text\": ...} and image parts are supported"
 
 
 def test_placeholders_are_found_in_any_message_text():

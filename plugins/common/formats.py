@@ -31,6 +31,8 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ftcore_plugins.common import images as _images
+
 ROLES = ("system", "user", "assistant", "tool")
 # ShareGPT "from" values and the role each becomes.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -42,15 +44,15 @@ ALIASES = {"openai": "messages"}  # other names accepted for a format
 FORMAT_NAMES = ("auto", *FORMATS, *ALIASES)
 
 KINDS = ("chat", "completion", "preference", "unpaired_preference", "text")
-# The columns of each kind, in order (chat's `tools` is dropped again when no row has tools).
+# The columns of each kind, in order (chat's `tools` and `images` are dropped again when no row has them).
 KIND_COLUMNS = {
-    "chat": ("messages", "tools"),
+    "chat": ("messages", "tools", "images"),
     "completion": ("prompt", "completion"),
     "preference": ("prompt", "chosen", "rejected"),
     "unpaired_preference": ("prompt", "completion", "label"),
     "text": ("text",),
 }
-INTERNAL_COLUMNS = ("messages", "tools", "prompt", "completion", "chosen", "rejected", "label", "text")
+INTERNAL_COLUMNS = ("messages", "tools", "images", "prompt", "completion", "chosen", "rejected", "label", "text")
 MESSAGE_COLUMNS = ("messages", "prompt", "chosen", "rejected", "completion")  # when they hold message lists
 # Every message key a chat template reads: Mistral's and Kimi's templates render a tool result's
 # `tool_call_id` (and refuse the row without it), so none is dropped when the data is read.
@@ -63,7 +65,7 @@ REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 # Our field names: what `columns = { <ours> = "<theirs>" }` may map.
 FIELDS = ("instruction", "input", "output", "system", "history", "conversations", "tools", "messages", "prompt",
-          "completion", "chosen", "rejected", "label", "text")
+          "completion", "chosen", "rejected", "label", "text", "images")
 
 ERROR_COLUMN = "__error"
 FORMAT_COLUMN = "__format"
@@ -117,7 +119,7 @@ def _kind_of_value(value: Any) -> str:
 class _Ctx:
     """What the helpers need to write good messages: the row and the column mapping."""
 
-    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder", "part_tools")
+    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder", "part_tools", "images", "base")
 
     def __init__(self, row: Mapping, columns: Mapping[str, str], fmt: str, explicit: bool,
                  placeholders: str = "allow"):
@@ -125,6 +127,8 @@ class _Ctx:
         self.placeholders = placeholders
         self.placeholder: tuple[str, str] | None = None  # (field, placeholder): the first one seen
         self.part_tools: str | None = None  # tool schemas given as a message's "tools" part (LLaMA-Factory v1)
+        self.images: list[tuple[str, Any]] = []  # image content parts met, in order: (where, value)
+        self.base: str | None = None  # the data file's folder: relative image paths are relative to it
 
     def text(self, value: str, field: str) -> str:
         """Message text, looked at for unfilled template placeholders (``placeholders`` option)."""
@@ -203,10 +207,24 @@ def _content(value: Any, where: str, ctx: _Ctx, allow_empty: bool) -> str:
             return ""
         raise RowError(f"missing field '{where}.content' (message fields: "
                        f"{_fields(_get_message(ctx, where))})", "missing_field", where.split("[", 1)[0])
-    if isinstance(value, list):  # OpenAI content parts, text only
-        return ctx.text("".join(_text_part(p, f"{where}.content[{j}]", ctx) for j, p in enumerate(value)),
-                        f"{where}.content")
-    raise ctx.wrong_type(f"{where}.content", "a string (or a list of text parts)", value)
+    if isinstance(value, list):  # OpenAI content parts: text, and images (each becomes a placeholder)
+        return ctx.text("".join(_image_part(p, f"{where}.content[{j}]", ctx) or _text_part(p, f"{where}.content[{j}]", ctx)
+                                for j, p in enumerate(value)), f"{where}.content")
+    raise ctx.wrong_type(f"{where}.content", "a string (or a list of text and image parts)", value)
+
+
+def _image_part(part: Any, where: str, ctx: _Ctx) -> str | None:
+    """An image content part -> the image placeholder (its image recorded in ``ctx.images``); None for
+    any other part. OpenAI/TRL's ``{"type": "image", "image": ...}`` (or ``url``/``path``) and
+    ``{"type": "image_url", "image_url": {"url": ...}}``."""
+    if not isinstance(part, Mapping) or part.get("type") not in ("image", "image_url"):
+        return None
+    value = next((part[k] for k in ("image", "image_url", "url", "path") if part.get(k) is not None), None)
+    if value is None:
+        raise RowError(f"{where!r} is an image part with no image (give 'image' or 'image_url'; part fields: "
+                       f"{_fields(part)})", "missing_field", where.split("[", 1)[0])
+    ctx.images.append((where, value))
+    return _images.IMAGE
 
 
 def _valued(parts: Any) -> bool:
@@ -273,7 +291,7 @@ def _text_part(part: Any, where: str, ctx: _Ctx) -> str:
     if part.get("type") != "text":
         kind = part.get("type")
         raise RowError(f"{where!r} is {'an untyped' if kind is None else f'a {kind!r}'} part; only text parts "
-                       "{\"type\": \"text\", \"text\": ...} are supported", "wrong_type", field)
+                       "{\"type\": \"text\", \"text\": ...} and image parts are supported", "wrong_type", field)
     text = part.get("text")
     if isinstance(text, str):
         return text
@@ -680,12 +698,44 @@ def _conversation(ctx: _Ctx, field: str, answer: bool) -> tuple[list[dict], list
 # evaluator take; sft drops it, counted as dropped_no_labels.
 def _sharegpt(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     messages, _ = _conversation(ctx, "conversations", answer=False)
-    return "chat", {"messages": messages, "tools": _tools(ctx)}
+    messages, images = _with_images(ctx, messages)
+    return "chat", {"messages": messages, "tools": _tools(ctx), **({"images": images} if images else {})}
 
 
 def _openai(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     messages, _ = _conversation(ctx, "messages", answer=False)
-    return "chat", {"messages": messages, "tools": _tools(ctx)}
+    messages, images = _with_images(ctx, messages)
+    return "chat", {"messages": messages, "tools": _tools(ctx), **({"images": images} if images else {})}
+
+
+def _with_images(ctx: _Ctx, messages: list[dict]) -> tuple[list[dict], list[str] | None]:
+    """A chat row's images (a top-level ``images`` list, or image content parts) as references, each
+    checked (it exists, is not empty, decodes), and the messages with one placeholder per image
+    (:func:`ftcore_plugins.common.images.placed`). ``(messages, None)`` for a row without images."""
+    given = ctx.row.get("images")
+    if given is None and not ctx.images:
+        if "images" in ctx.row and any(_images.IMAGE in m["content"] for m in messages):
+            raise RowError(f"the text holds {_images.IMAGE} but 'images' is empty in this row", "image_count", "images")
+        return messages, None
+    if given is not None and not isinstance(given, (list, tuple)):
+        given = [given]
+    if given and ctx.images:
+        raise RowError(f"the row has both an 'images' list and image parts ({ctx.images[0][0]!r}); give its images "
+                       "one way", "conflicting_fields", "images")
+    items = ctx.images or [(f"images[{i}]", v) for i, v in enumerate(given or [])]
+    refs = []
+    for n, (where, value) in enumerate(items, 1):
+        try:
+            ref = _images.reference(value, ctx.base)
+            _images.check_image(ref)
+        except _images.ImageError as exc:
+            raise RowError(f"image {n} ({where}): {exc}", exc.reason, where.split("[", 1)[0]) from None
+        refs.append(ref)
+    try:
+        messages = _images.placed(messages, len(refs))
+    except _images.ImageError as exc:
+        raise RowError(str(exc), exc.reason, "images") from None
+    return messages, refs or None
 
 
 def _prompt_completion(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
@@ -831,7 +881,7 @@ def apply_columns(row: Mapping, columns: Mapping[str, str]) -> dict:
 
 
 def convert(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
-            strings: bool = False, placeholders: str = "allow") -> tuple[str, str, dict]:
+            strings: bool = False, placeholders: str = "allow", base: str | None = None) -> tuple[str, str, dict]:
     """Convert one raw row. Returns ``(format, kind, internal_row)``; raises :class:`RowError`.
 
     ``columns`` maps our field names to the row's (applied before detection). ``strings``
@@ -840,12 +890,13 @@ def convert(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = 
     Messages in the result carry only the keys they use; chat rows always have ``tools``
     (None when there are none).
     """
-    fmt, kind, out, _ = convert_found(row, fmt, columns=columns, strings=strings, placeholders=placeholders)
+    fmt, kind, out, _ = convert_found(row, fmt, columns=columns, strings=strings, placeholders=placeholders, base=base)
     return fmt, kind, out
 
 
 def convert_found(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | None = None,
-                  strings: bool = False, placeholders: str = "allow") -> tuple[str, str, dict, str | None]:
+                  strings: bool = False, placeholders: str = "allow",
+                  base: str | None = None) -> tuple[str, str, dict, str | None]:
     """:func:`convert`, and with ``placeholders = "warn"`` the first placeholder the row's
     message text holds (``"'messages[1].content' holds '{{name}}'"``), else None."""
     if not isinstance(row, Mapping):
@@ -859,17 +910,19 @@ def convert_found(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | N
     elif fmt not in CONVERTERS:
         raise ValueError(f"unknown format {fmt!r}; formats: {', '.join(FORMAT_NAMES)}")
     ctx = _Ctx(row, columns, fmt, explicit, placeholders)
+    ctx.base = base
     kind, out = CONVERTERS[fmt](ctx, strings)
     found = None if ctx.placeholder is None else f"{ctx.placeholder[0]!r} holds {ctx.placeholder[1]!r}"
     return fmt, kind, out, found
 
 
 def convert_kind(row: Any, fmt: str, kind: str | None, *, columns: Mapping[str, str] | None = None,
-                 strings: bool = False, placeholders: str = "allow") -> tuple[str, str, dict, str | None]:
+                 strings: bool = False, placeholders: str = "allow",
+                 base: str | None = None) -> tuple[str, str, dict, str | None]:
     """:func:`convert_found`, where a row of another kind than ``kind`` (None: any) is a
     ``mixed_kind`` error: one source holds one kind of rows."""
     row_fmt, row_kind, converted, placeholder = convert_found(row, fmt, columns=columns, strings=strings,
-                                                              placeholders=placeholders)
+                                                              placeholders=placeholders, base=base)
     if kind is not None and row_kind != kind:
         raise RowError(f"a {row_kind} row ({row_fmt}) among {kind} rows: one source holds one kind of "
                        "rows; split them into separate sources", "mixed_kind", None)
@@ -896,7 +949,7 @@ def _placeholder(kind: str) -> dict:
 
 
 def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mapping[str, str] | None = None,
-                 strings: bool = False, placeholders: str = "allow") -> dict[str, list]:
+                 strings: bool = False, placeholders: str = "allow", base: str | None = None) -> dict[str, list]:
     """Convert rows to the columns of ``kind`` plus ``__error`` and ``__format`` (and, with
     ``placeholders = "warn"``, ``__placeholder``); a bad row (or one of another kind) gets
     None values and its error. Never raises for a row."""
@@ -908,7 +961,7 @@ def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mappi
         placeholder = None
         try:
             row_fmt, _, converted, placeholder = convert_kind(row, fmt, kind, columns=columns, strings=strings,
-                                                              placeholders=placeholders)
+                                                              placeholders=placeholders, base=base)
             error = None
         except RowError as exc:
             converted, error, row_fmt = _placeholder(kind), exc.encode(), None
@@ -925,12 +978,12 @@ def convert_rows(rows: Iterable[Mapping], fmt: str, kind: str, *, columns: Mappi
 
 
 def convert_batch(batch: Mapping[str, list], fmt: str, kind: str, columns: Mapping[str, str] | None = None,
-                  strings: bool = False, placeholders: str = "allow") -> dict[str, list]:
+                  strings: bool = False, placeholders: str = "allow", base: str | None = None) -> dict[str, list]:
     """:func:`convert_rows` for a ``datasets`` batch (a dict of equal-length lists)."""
     keys = list(batch)
     n = len(batch[keys[0]]) if keys else 0
     rows = ({k: batch[k][i] for k in keys} for i in range(n))
-    return convert_rows(rows, fmt, kind, columns=columns, strings=strings, placeholders=placeholders)
+    return convert_rows(rows, fmt, kind, columns=columns, strings=strings, placeholders=placeholders, base=base)
 
 
 def features(kind: str, messages_keys: Iterable[str] = MESSAGE_KEYS) -> dict:
@@ -940,7 +993,7 @@ def features(kind: str, messages_keys: Iterable[str] = MESSAGE_KEYS) -> dict:
     message = {k: Value("int8") if k == "weight" else Value("string") for k in messages_keys}
     string = Value("string")
     return {
-        "chat": {"messages": List(message), "tools": string},
+        "chat": {"messages": List(message), "tools": string, "images": List(string)},
         "completion": {"prompt": string, "completion": string},
         "preference": {"prompt": List(message), "chosen": List(message), "rejected": List(message)},
         "unpaired_preference": {"prompt": List(message), "completion": List(message), "label": Value("bool")},

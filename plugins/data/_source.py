@@ -415,7 +415,7 @@ class RowSource(Component):
         for i, row in enumerate(_iter_rows(unit)):
             try:
                 return F.convert(row, fmt, columns=columns, strings=unit.strings,
-                                 placeholders=getattr(self.options, "placeholders", "allow"))[1]
+                                 placeholders=getattr(self.options, "placeholders", "allow"), base=_base(unit))[1]
             except F.RowError as exc:
                 if exc.reason in F.ALWAYS_SKIP:
                     continue
@@ -429,7 +429,7 @@ class RowSource(Component):
         columns = dict(getattr(self.options, "columns", {}))
         placeholders = getattr(self.options, "placeholders", "allow")
         fn = functools.partial(_convert_batch, fmt=fmt, kind=kind, columns=columns, strings=unit.strings,
-                               placeholders=placeholders)
+                               placeholders=placeholders, base=_base(unit))
         helper = {F.ERROR_COLUMN: datasets.Value("string"), F.FORMAT_COLUMN: datasets.Value("string")}
         if placeholders == "warn":
             helper[F.PLACEHOLDER_COLUMN] = datasets.Value("string")
@@ -438,14 +438,15 @@ class RowSource(Component):
             feats = datasets.Features({**F.features(kind), **helper, **{k: ds.features[k] for k in keep}})
             # datasets hashes `fn` by reference, not by the code it calls: put our code in the fingerprint.
             fingerprint = _fingerprint(ds._fingerprint, "convert", fmt, kind, sorted(columns.items()), unit.strings,
-                                       keep, placeholders)
+                                       keep, placeholders, *([] if _base(unit) is None else [_base(unit)]))
             # the output's record batches: ARROW_BATCH_ROWS, not datasets' 1,000
             return ds.map(fn, batched=True, batch_size=ARROW_BATCH_ROWS, writer_batch_size=ARROW_BATCH_ROWS,
                           remove_columns=[c for c in ds.column_names if c not in keep], features=feats,
                           num_proc=_num_proc(getattr(self.options, "num_proc", None), len(ds)),
                           new_fingerprint=fingerprint, desc=f"convert {unit.shown}")
         rows = unit.rows or []
-        cols = F.convert_rows(rows, fmt, kind, columns=columns, strings=unit.strings, placeholders=placeholders)
+        cols = F.convert_rows(rows, fmt, kind, columns=columns, strings=unit.strings, placeholders=placeholders,
+                              base=_base(unit))
         out = datasets.Dataset.from_dict(cols, features=datasets.Features({**F.features(kind), **helper}))
         for k in keep:
             try:
@@ -503,14 +504,18 @@ class FileSource(RowSource):
         if first is None:
             raise FtcoreError(f"{prefix}: {shown}: no rows (an empty file?)")
         fmt, columns, strings = self._fixed_format(), dict(o.columns), self.stream_builder == "csv"
+        base = str(files[0].parent) if len({f.parent for f in files}) == 1 else None
         try:
-            kind = F.convert(first, fmt, columns=columns, strings=strings, placeholders="allow")[1]
+            kind, first_row = F.convert(first, fmt, columns=columns, strings=strings, placeholders="allow", base=base)[1:]
         except F.RowError as exc:
             raise FtcoreError(f"{prefix}: {shown}: row 1: {_one_line(str(exc))}") from None
         skipped: Counter = Counter()
 
         def convert(batch: dict, indices: list[int]) -> dict:
-            out = F.convert_batch(batch, fmt=fmt, kind=kind, columns=columns, strings=strings, placeholders="allow")
+            out = F.convert_batch(batch, fmt=fmt, kind=kind, columns=columns, strings=strings, placeholders="allow",
+                                  base=base)
+            if not images:
+                out.pop("images", None)
             errors = out.pop(F.ERROR_COLUMN)
             out.pop(F.FORMAT_COLUMN)
             keep = []
@@ -534,8 +539,10 @@ class FileSource(RowSource):
                 kept[name] = [batch[name][j] for j in keep]
             return kept
 
-        feats = datasets.Features({**F.features(kind), **{k: raw.features[k] for k in o.keep}}) \
-            if raw.features is not None else datasets.Features(F.features(kind))
+        images = first_row.get("images") is not None  # a stream of image rows (its first row tells)
+        kinds = {k: v for k, v in F.features(kind).items() if images or k != "images"}
+        feats = datasets.Features({**kinds, **{k: raw.features[k] for k in o.keep}}) \
+            if raw.features is not None else datasets.Features(kinds)
         if o.limit is not None:  # before the conversion: a bad row after the limit is never read
             raw = raw.take(o.limit)
         rows = raw.map(convert, batched=True, batch_size=MAP_BATCH, with_indices=True,
@@ -700,6 +707,8 @@ def _prune(ds: Any, kind: str, num_proc: int | None) -> Any:
 
     if kind == "chat" and ds.data.column("tools").null_count == len(ds.data):
         ds = ds.remove_columns("tools")
+    if kind == "chat" and ds.data.column("images").null_count == len(ds.data):
+        ds = ds.remove_columns("images")
     cols = MESSAGE_COLUMNS_OF.get(kind, ())
     if not cols:
         return ds
@@ -719,6 +728,11 @@ def _prune(ds: Any, kind: str, num_proc: int | None) -> Any:
                                        features=feats, num_proc=_num_proc(num_proc, len(ds)),
                                        new_fingerprint=_fingerprint(ds._fingerprint, "prune", cols, keys),
                                        desc="prune").with_format(None)
+
+
+def _base(unit: Unit) -> str | None:
+    """The folder image paths in the unit's rows are relative to: its file's."""
+    return str(unit.path.parent) if unit.path is not None else None
 
 
 def _convert_batch(batch: dict[str, list], **options: Any) -> dict[str, list]:

@@ -168,4 +168,5 @@ def build(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
         model_cls = T.Idefics3ForConditionalGeneration
     else:
         raise ValueError(f"unknown vision architecture {architecture!r}; known: {', '.join(FAMILIES)}")
+    tokenizer.chat_template = processor.chat_template  # template "native" renders with the processor's own
     return model_cls(cfg), processor

@@ -77,6 +77,28 @@ def linear_modules(model: Any, *, with_head: bool = False) -> dict[str, Any]:
     return {path: m for path, m in model.named_modules() if path and _is_linear(m) and path not in heads}
 
 
+# A vision-language model's vision tower and projector, by the names transformers gives them.
+TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger", "mm_projector", "vision_projection")
+
+
+def vision_parts(model: Any) -> tuple[list[str], list[str]]:
+    """``(tower, projector)``: the module paths of a vision-language model's vision tower (its projector
+    left out where it sits inside, as Qwen's ``visual.merger``) and of its projector; empty for a text model."""
+    tower, projector = [], []
+    for path, _ in model.named_modules():
+        name = path.rsplit(".", 1)[-1]
+        if name in PROJECTOR_NAMES and not any(path.startswith(p + ".") for p in projector):
+            projector.append(path)
+        elif name in TOWER_NAMES and not any(path.startswith(p + ".") for p in tower):
+            tower.append(path)
+    return tower, projector
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in roots)
+
+
 def _matches(entry: str, path: str) -> bool:
     return path == entry or path.endswith("." + entry)
 
@@ -120,15 +142,19 @@ def _is_down_projection(module: Any, width: int | None) -> bool:
 
 
 def resolve(model: Any, spec: str | list[str], *, label: str = "target_modules",
-            embeddings: bool = True, feedforward: str | list[str] | None = None) -> Targets:
+            embeddings: bool = True, feedforward: str | list[str] | None = None, vision: bool = False) -> Targets:
     """Resolve a preset or an explicit list against ``model`` (a transformers model, before peft wraps it).
 
     ``embeddings``: whether an explicit list may name embedding layers (LoRA can adapt them, IA3
     cannot). ``feedforward`` (IA3): ``"auto"`` picks the MLP output projections among the targets, a
     list names them. Raises :class:`FtcoreError` (one line) when an entry matches nothing or
-    something peft cannot adapt, listing the model's linear layers."""
+    something peft cannot adapt, listing the model's linear layers. In a vision-language model only
+    the language model's layers are chosen, and with ``vision`` the vision tower's too (never the
+    projector, which is trained whole when it is: ``modules_to_save``)."""
     import torch
 
+    tower, projector = vision_parts(model)
+    left_out = projector + ([] if vision else tower)
     every = [p for p, _ in model.named_modules() if p]
     modules = dict(model.named_modules())
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
@@ -160,6 +186,11 @@ def resolve(model: Any, spec: str | list[str], *, label: str = "target_modules",
                 kinds = "linear" + (" or embedding" if embeddings else "")
                 raise nothing(entry, f"names {'/'.join(wrong)} modules, not {kinds} layers,")
             chosen += [p for p in found if p not in chosen]
+    if left_out:
+        chosen = [p for p in chosen if not _under(p, left_out)]
+        if not chosen:
+            raise nothing(spec if isinstance(spec, str) else ", ".join(spec),
+                          "selects only vision tower or projector layers (set vision_tower = true to adapt the tower)")
     conv1d = any(isinstance(modules[p], _conv1d_class()) for p in chosen)
 
     if feedforward is None:

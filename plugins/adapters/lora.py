@@ -14,6 +14,7 @@ from pydantic import Field
 
 import ftcore
 from ftcore.component import Component, Options
+from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.model import report_trainable
 from ftcore_plugins.common.tokens import expose_head_bias, train_added_tokens
@@ -98,6 +99,10 @@ class LoraCommonOptions(Options):
     target_modules: TargetModules = "all-linear"
     bias: Literal["none", "all", "lora_only"] = "none"
     modules_to_save: list[str] | None = None
+    # A vision-language model: LoRA adapts its language model only; these adapt the vision tower too, or
+    # train the projector (between tower and language model) whole. Both are frozen otherwise.
+    vision_tower: bool = False
+    train_projector: bool = False
 
 
 class LoraOptions(LoraCommonOptions):
@@ -134,13 +139,23 @@ class LoraAdapter(PeftAdapter):
         from ftcore_plugins.adapters._targets import check_modules_to_save, check_rank, resolve
 
         o = self.options
-        targets = resolve(model, o.target_modules)
+        targets = resolve(model, o.target_modules, vision=o.vision_tower)
         check_rank(model, targets, o.r)
         check_modules_to_save(model, o.modules_to_save)
         ctx.reporter.info(f"adapter {self.name}: targets {targets.describe()}")
+        save = o.modules_to_save
+        if o.train_projector or o.vision_tower:
+            from ftcore_plugins.adapters._targets import vision_parts
+
+            tower, projector = vision_parts(model)
+            if not tower:
+                raise FtcoreError(f"adapter {self.name}: vision_tower and train_projector are for vision-language "
+                                  "models, and this one has no vision tower")
+            if o.train_projector:
+                save = [*(save or []), *projector]
         return LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
                           target_modules=targets.names, fan_in_fan_out=targets.conv1d, bias=o.bias,
-                          modules_to_save=o.modules_to_save, **self.lora_kwargs())
+                          modules_to_save=save, **self.lora_kwargs())
 
 
 @ftcore.hookimpl

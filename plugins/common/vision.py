@@ -192,6 +192,17 @@ class VisionCollator:
         return self.encoder(rows, indices if all(i is not None for i in indices) else None)
 
 
+def attach_processor(tokenizer: Any, processor: Any) -> Any:
+    """Give ``tokenizer`` (what a loader returns) the processor around it; returns the tokenizer."""
+    tokenizer.ftcore_processor = processor
+    return tokenizer
+
+
+def processor_of(tokenizer: Any) -> Any | None:
+    """The processor a loader attached to ``tokenizer``, or None (a text model)."""
+    return getattr(tokenizer, "ftcore_processor", None)
+
+
 def has_images(data: Any) -> bool:
     """Whether a dataset holds chat rows with images (an ``images`` column)."""
     return data is not None and "images" in (getattr(data, "column_names", None) or [])

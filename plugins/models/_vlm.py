@@ -69,11 +69,13 @@ def _text(tokenizer: Any, hidden: int, layers: int, heads: int) -> dict:
 
 
 def _without_video(cls: type) -> type:
-    """Qwen2.5-VL's processor requires a video processor, which needs torchvision; images need none."""
+    """Qwen2.5-VL's processor requires a video processor, which needs torchvision; images need none.
+    This one has no video processor at all (so it also saves without one)."""
 
     class ImageOnly(cls):
-        def check_argument_for_proper_class(self, name, arg):
-            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+        @classmethod
+        def get_attributes(cls):
+            return [a for a in super().get_attributes() if a != "video_processor"]
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
     return ImageOnly
@@ -93,7 +95,7 @@ def build(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
     if architecture == "qwen2_5_vl":
         processor = _without_video(T.Qwen2_5_VLProcessor)(
             image_processor=T.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56),
-            tokenizer=tokenizer, video_processor=None, chat_template=_trl_template("qwen2_5_vl"))
+            tokenizer=tokenizer, chat_template=_trl_template("qwen2_5_vl"))
         ids = tokenizer.convert_tokens_to_ids
         text = _text(tokenizer, hidden_size, num_layers, num_heads)
         half = hidden_size // num_heads // 2  # the rotary frequencies: split over time, height and width

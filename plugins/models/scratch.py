@@ -16,6 +16,7 @@ from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
+VLM_FAMILIES = ("qwen2_5_vl", "mllama", "gemma3", "llava", "idefics3")  # _vlm.FAMILIES, without importing it
 
 
 class ScratchModelLoader(Component):
@@ -24,7 +25,9 @@ class ScratchModelLoader(Component):
     name = "scratch"
 
     class Options(Options):
-        architecture: str = "llama"  # a transformers model_type: llama, mistral, qwen2, qwen3, ...
+        # a transformers model_type: llama, mistral, qwen2, qwen3, ...; or a vision-language family
+        # (qwen2_5_vl, mllama, gemma3, llava, idefics3: _vlm.FAMILIES), which needs `tokenizer`
+        architecture: str = "llama"
         hidden_size: int = Field(64, ge=1, le=65536)
         num_layers: int = Field(2, ge=1, le=1024)
         num_heads: int = Field(4, ge=1, le=1024)
@@ -44,6 +47,9 @@ class ScratchModelLoader(Component):
         problems = []
         if (o.tokenizer is None) == (not o.tokenizer_data):
             problems.append("set exactly one of 'tokenizer' (a folder) or 'tokenizer_data' (data names to train on)")
+        if o.architecture in VLM_FAMILIES and o.tokenizer is None:
+            problems.append(f"architecture {o.architecture!r} (a vision-language model) needs 'tokenizer' (a folder); "
+                            "a tokenizer trained on the data has no image tokens")
         for i, name in enumerate(o.tokenizer_data):
             if name not in plan.data:
                 problems.append(f"tokenizer_data[{i}]: undefined data {name!r}; defined: {', '.join(plan.data)}")
@@ -84,6 +90,9 @@ class ScratchModelLoader(Component):
         """Before a run makes its folder: that transformers knows the architecture and builds its config
         from these options (on the meta device: no weights), and that a tokenizer folder reads."""
         o = self.options
+        if o.architecture in VLM_FAMILIES:
+            problem = _checks.tokenizer_files_problem(o.tokenizer) if o.tokenizer is not None else None
+            return [f"tokenizer: {problem}"] if problem else []
         problem = _checks.model_type_problem(o.architecture, False, False)
         if problem:
             return [f"architecture: {problem.replace('unknown model type', 'unknown architecture')}"]
@@ -117,6 +126,8 @@ class ScratchModelLoader(Component):
 
         o = self.options
         tokenizer = self.load_tokenizer(ctx)
+        if o.architecture in VLM_FAMILIES:
+            return self._load_vlm(ctx, tokenizer)
         config = self.model_config(len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(ctx.seed)
@@ -126,6 +137,22 @@ class ScratchModelLoader(Component):
         ctx.reporter.info(f"scratch model: {o.architecture}, {o.num_layers} layers, hidden {o.hidden_size}, "
                           f"{n:,} parameters, vocabulary {len(tokenizer):,}")
         return model, tokenizer
+
+    def _load_vlm(self, ctx, tokenizer):
+        """A tiny vision-language model of the family (random init), its processor around the tokenizer."""
+        import torch
+
+        from ftcore_plugins.common.vision import attach_processor
+        from ftcore_plugins.models import _vlm
+
+        o = self.options
+        torch.manual_seed(ctx.seed)
+        model, processor = _vlm.build(o.architecture, tokenizer, hidden_size=o.hidden_size, num_layers=o.num_layers,
+                                      num_heads=o.num_heads, config=o.config)
+        n = sum(p.numel() for p in model.parameters())
+        ctx.reporter.info(f"scratch model: {o.architecture} (vision-language), {o.num_layers} layers, hidden "
+                          f"{o.hidden_size}, {n:,} parameters, vocabulary {len(tokenizer):,}")
+        return model, attach_processor(tokenizer, processor)
 
     def load_tokenizer(self, ctx):
         """The tokenizer alone: the plan's folder, or trained on ``tokenizer_data`` (saved in the

@@ -224,7 +224,7 @@ def distributed_arguments(run: Any) -> dict[str, Any]:
             _deepspeed_state_on_cpu(args["ddp_backend"])
             args["accelerator_config"] = {"use_configured_state": True}
     elif d.engine == "fsdp":
-        from ftcore.launch import FSDP2_SHARDING
+        from ftcore_plugins.common.launch import FSDP2_SHARDING
 
         args["fsdp"] = True
         args["fsdp_config"] = {
@@ -363,7 +363,8 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     if early is not None:
         callbacks.append(early)
     trainer = trainer_cls(model=ctx.model, args=args, train_dataset=train, eval_dataset=evaluation,
-                          processing_class=ctx.tokenizer, callbacks=callbacks, **trainer_kwargs)
+                          processing_class=trainer_kwargs.pop("processing_class", ctx.tokenizer), callbacks=callbacks,
+                          **trainer_kwargs)
     trainer.remove_callback(PrinterCallback)  # our progress bar and metrics.jsonl replace its prints
     _fsdp_on_cpu(trainer)
     guard = StabilityGuard(ctx.reporter, ctx.stage, nan=o.guard_nan, spike_factor=o.guard_spike_factor,

@@ -23,6 +23,7 @@ from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_
 from ftcore_plugins.common.device_defaults import device_type, model_device
 from ftcore_plugins.trainers._packing import PACKED_PATHS, choose_path, path_problem, with_packed_attention
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
+from ftcore_plugins.trainers._vision import image_rows, vision_splits, vision_trl
 
 
 class SFTOptions(TrainOptions, LossOptions):
@@ -60,6 +61,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
         return problems
 
     def train(self, ctx: Any) -> dict[str, Any]:
+        self.collator = None  # set by prepare_data for rows with images (trainers/_vision.py)
         train, evaluation = self.prepare_data(ctx)
         trainer_cls = self.trainer_class(ctx)
         if self.compute_loss is not None:
@@ -82,7 +84,11 @@ class SFT(TrainChecks, TrainerMemory, Component):
             path = choose_path(getattr(o, "packed_attention", "auto"), ctx.model, model_device(ctx.model))
             ctx.reporter.log(ctx.stage, {"packed_attention": path}, step=0)
             trainer_cls = with_packed_attention(trainer_cls, path)
-        return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config)
+        extra: dict[str, Any] = {}
+        if self.collator is not None:
+            vision_config, extra = vision_trl(self.collator)
+            config.update(vision_config)
+        return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config, **extra)
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:
@@ -90,6 +96,9 @@ class SFT(TrainChecks, TrainerMemory, Component):
         ``input_ids`` and ``labels`` (-100 on tokens not trained on). A subclass may change
         ``ctx.train_data``/``ctx.eval_data`` (chat rows) and call this, or build the datasets itself."""
         o = self.options
+        if image_rows(ctx):
+            train, evaluation, self.collator = vision_splits(ctx, o, self.name)
+            return train, evaluation
         ctx.train_data, ctx.eval_data = chosen_as_chat(ctx.train_data), chosen_as_chat(ctx.eval_data)
         columns = set(ctx.train_data.column_names)
         if "messages" not in columns and not {"prompt", "completion"} <= columns:

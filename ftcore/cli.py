@@ -7,6 +7,7 @@ Imports are deferred into each command: ``--help`` loads nothing heavy, and
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shlex
@@ -74,34 +75,20 @@ def main(argv: list[str] | None = None) -> int:
     # instead of spinning. Spinning threads make a run beside other busy processes several times
     # slower (benchmarks/contention.py); a user's own setting wins. Workers inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    code = _main(argv)
-    if os.environ.get("FTCORE_LAUNCH_DIR"):  # a worker: tell our launcher how this rank ended
-        from .launch import record_exit
-
-        record_exit(code)
-    return code
-
-
-_warned: set[str] = set()
-
-
-def _warn(problem: str) -> None:
-    """Print a plugin problem once per process, however many plugin managers meet it."""
-    if problem not in _warned:
-        _warned.add(problem)
-        print(f"warning: {problem}", file=sys.stderr)
+    return _main(argv)
 
 
 def _main(argv: list[str]) -> int:
-    from .plugins import get_plugin_manager
+    from .command import commands as collect_commands
+    from .plugins import get_plugin_manager, warn
 
     # Commands come from plugins; building the parser imports no component, so --help stays fast.
     pm = get_plugin_manager(components=False)
-    commands, problems = pm.commands()
+    commands, problems = collect_commands(pm)
     quiet = "--json" in argv  # machine-readable output carries the problems itself
     if not quiet:
         for problem in [*pm.failures, *problems]:
-            _warn(problem)
+            warn(problem)
     args = _parser(commands).parse_args(argv)
     args.argv = argv
     if args.command is None:
@@ -151,15 +138,11 @@ def _interrupted(args: argparse.Namespace, message: str | None) -> str:
 
 
 def plugins_with_warnings(quiet: bool = False) -> tuple[Any, Any]:
-    """Every plugin and the component registry, each plugin problem printed once as a warning."""
-    from .plugins import get_plugin_manager
+    """Every plugin and the component registry, each plugin problem printed once as a warning (kept
+    here for the commands that import it from ``ftcore.cli``; it lives in ``ftcore.plugins``)."""
+    from .plugins import plugins_with_warnings
 
-    pm = get_plugin_manager()
-    registry = pm.registry()
-    if not quiet:
-        for problem in registry.problems:
-            _warn(problem)
-    return pm, registry
+    return plugins_with_warnings(quiet)
 
 
 def _plugins(args: argparse.Namespace) -> Any:
@@ -167,11 +150,12 @@ def _plugins(args: argparse.Namespace) -> Any:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    from .command import CORE_COMMANDS
+    from .command import commands as collect_commands
     from .component import KINDS
-    from .plugins import CORE_COMMANDS
 
     pm, registry = _plugins(args)
-    commands, command_problems = pm.commands()
+    commands, command_problems = collect_commands(pm)
     if args.json:
         out = {
             "plugins": [vars(i) for i in pm.infos.values()],
@@ -221,10 +205,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     stages = " -> ".join(f"{s.name} ({s.trainer.name}, {s.adapter.name})" for s in plan.stages) or "no stages"
     print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
           f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
-    if getattr(args, "data", False):
-        from ftcore_plugins.data._check import check_plan_data  # the data side, imported only here
-
-        return check_plan_data(plan)
+    if getattr(args, "data", False):  # the data side: a built-in plugin's, loaded by name and only here
+        return importlib.import_module("ftcore_plugins.data._check").check_plan_data(plan)
     return 0
 
 
@@ -240,16 +222,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     pm, registry = _plugins(args)
     flags = ("engine", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
-    plan = load_plan(args.plan, registry, {k: getattr(args, k) for k in flags if getattr(args, k) is not None})
-    from . import launch
-
-    if plan.distributed.wanted and not launch.is_worker():
-        d = plan.distributed
-        print(f"ftcore: starting {d.nproc_per_node} process(es) on this node ({d.engine}, node {d.node_rank} of "
-              f"{d.nnodes})" if d.accelerate_config is None else f"ftcore: starting accelerate launch with "
-              f"{d.accelerate_config}", file=sys.stderr)
-        return launch.launch(d, args.argv)
-    launch.start_worker(plan.distributed)
+    overrides = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
+    plan = load_plan(args.plan, registry, {"distributed": overrides} if overrides else None)
+    for section in plan.sections.values():  # [distributed] runs the plan in several processes
+        code = section.launch(plan, args.argv)
+        if code is not None:
+            return code
     console = Console(stderr=False)
     # SIGTERM outside a training stage ends the run like Ctrl-C (manifest "interrupted", exit 143); a
     # training stage replaces this handler with its own, which first saves a checkpoint.

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
+# The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them.
+CORE_COMMANDS = ("run", "validate", "plugins")
 
 
 class Command:
@@ -35,8 +37,8 @@ class Command:
         """Load and validate a plan against the installed plugins, as ``ftcore run`` does: returns
         ``(plan, plugin_manager)``. Plugin problems are printed as warnings; a bad plan raises
         :class:`ftcore.errors.PlanError`, which the CLI prints one problem a line with exit 2."""
-        from .cli import plugins_with_warnings
         from .plan import load_plan
+        from .plugins import plugins_with_warnings
 
         pm, registry = plugins_with_warnings()
         return load_plan(path, registry, overrides or {}), pm
@@ -76,3 +78,40 @@ def check_command(cls: object) -> str | None:
     if cls.run is Command.run:
         return f"{cls.__qualname__} ('{cls.name}') does not implement run(args)"
     return None
+
+
+def commands(pm: Any) -> tuple[dict[str, CommandInfo], list[str]]:
+    """Every command the plugins of ``pm`` register, by name, and the problems met collecting them. A
+    name clash is a warning naming the winner: the core's commands, then built-in ones, then the first
+    loaded."""
+    from .plugins import PluginInfo, one_line
+
+    found: dict[str, CommandInfo] = {}
+    problems: list[str] = []
+    for impl in reversed(pm.hook.register_commands.get_hookimpls()):  # registration order
+        info = pm.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
+        who = f"plugin '{info.name}' ({info.dist} {info.version})"
+
+        def register(cls: type, _info=info, _who=who) -> None:
+            problem = check_command(cls)
+            if problem:
+                problems.append(f"{_who} registered an invalid command: {problem}")
+                return
+            new = CommandInfo(cls.name, cls, _info.name, _info.dist, _info.version)
+            if cls.name in CORE_COMMANDS:
+                problems.append(f"{new.who()} registered the command '{cls.name}', which is ftcore's own; ignored")
+                return
+            old = found.get(cls.name)
+            if old is not None:
+                winner, loser = (new, old) if new.dist == "ftcore" and old.dist != "ftcore" else (old, new)
+                found[cls.name] = winner
+                problems.append(f"command '{cls.name}' is registered by both {winner.who()} and {loser.who()}; "
+                                f"`ftcore {cls.name}` runs the one from {winner.who()}")
+                return
+            found[cls.name] = new
+
+        try:
+            impl.function(register=register)
+        except Exception as exc:
+            problems.append(f"{who} failed in register_commands: {one_line(exc)}")
+    return found, problems

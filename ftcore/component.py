@@ -43,6 +43,46 @@ class Component:
         return []
 
 
+class PlanSection:
+    """A top-level plan table a plugin owns (``[sweep]``, ``[distributed]``), registered through
+    ``register_plan_sections``. ``name`` is the table's name. ``Options`` (a pydantic model) are its
+    keys, validated as a component's options are; a section that reads its table itself defines
+    ``parse(table, problem)`` instead, a classmethod that reports through ``problem(key, message)``
+    (``key`` from the plan's top, e.g. ``"sweep.trials"``) and returns the options or ``None``.
+    ``fingerprint = False`` leaves the table out of the run's fingerprint, so that editing it does not
+    make a finished run another run (``[distributed]``: a run may be resumed on other hardware).
+
+    Every installed section is part of every plan, whether the plan writes its table or not:
+    ``plan.sections[name]``, and ``plan.<name>``, its :attr:`value`."""
+
+    name: ClassVar[str] = ""
+    Options: ClassVar[type[BaseModel]] = Options
+    fingerprint: ClassVar[bool] = True
+
+    def __init__(self, options: Any = None):
+        self.options = options  # the table, validated; None where the plan does not write it
+
+    @property
+    def value(self) -> Any:
+        """What ``plan.<name>`` gives: the options (``None`` without the table), unless overridden."""
+        return self.options
+
+    def check(self, plan: Any) -> list[str]:
+        """Cross-checks against the whole plan, once the rest of it is valid: problems as
+        ``"key: message"`` relative to the table (``ftcore validate`` prints ``<name>.<key>``)."""
+        return []
+
+    def launch(self, plan: Any, argv: list[str]) -> int | None:
+        """Called by ``ftcore run`` before the run: an exit status when this section ran the plan
+        another way (in several processes), or ``None`` to run it in this process."""
+        return None
+
+    def on_main(self, fn: Any) -> Any:
+        """Run ``fn`` once for all the processes of this run and return its result in each (the runner
+        decides the run folder so). One process: ``fn()``."""
+        return fn()
+
+
 @dataclass(frozen=True)
 class Kind:
     id: str  # used in messages: "unknown trainer 'x'"

@@ -128,6 +128,18 @@ def register_commands(register: Register) -> None:
 
 
 @hookspec
+def register_plan_sections(register: Register) -> None:
+    """Register top-level plan tables a plugin owns (``[sweep]`` of ``ftcore sweep``, ...).
+
+    :param register: call ``register(cls)`` for each :class:`ftcore.component.PlanSection` subclass,
+        with ``name`` (the table's name), ``Options`` (its keys, or a ``parse(table, problem)``
+        classmethod), ``fingerprint`` (whether it is part of the run's identity) and optionally
+        ``check(plan)``, ``launch(plan, argv)`` and ``on_main(fn)``. Two plugins may not own one
+        table, nor a plugin one of the core's (``model``, ``stage``, ...).
+    """
+
+
+@hookspec
 def ftcore_run_start(run: Any) -> None:
     """Called once a run directory is ready, before any model is loaded.
 

@@ -1,5 +1,7 @@
-"""Measured memory: process RSS and its peak from /proc, and CUDA memory when torch is
-already loaded. Nothing here imports torch.
+"""Measured memory, as the runner records it at each step: process RSS and its peak from /proc, and
+CUDA memory when torch is already loaded; and handing freed heap back to the system. Nothing here
+imports torch. The plugins' memory helpers (mapped pages, available memory) are in
+``ftcore_plugins.common.memory``.
 
 The peak is per step: ``reset_peak()`` clears the kernel's high-water mark (VmHWM) by
 writing 5 to /proc/self/clear_refs, and CUDA's peak statistics when CUDA is in use.
@@ -11,13 +13,12 @@ import glob
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MiB = 2**20
-MADV_DONTNEED = 4  # Linux
 
 
-def _status() -> dict[str, int]:
+def status() -> dict[str, int]:
     """VmRSS, VmHWM and RssFile (the file-backed part of VmRSS) in bytes, from /proc/self/status
     (Linux)."""
     out = {}
@@ -29,17 +30,6 @@ def _status() -> dict[str, int]:
     except OSError:
         pass
     return out
-
-
-def available_bytes() -> int | None:
-    """Memory the system can give without swapping (MemAvailable of /proc/meminfo), or None."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def release() -> None:
@@ -59,69 +49,6 @@ def release() -> None:
             pass
 
 
-def file_mappings(keep: Callable[[str], bool]) -> list[tuple[int, int]]:
-    """``(start, end)`` of this process's memory mappings of the files whose path ``keep`` accepts
-    (from /proc/self/maps; none where it cannot be read)."""
-    out = []
-    try:
-        lines = Path("/proc/self/maps").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and keep(fields[5].strip()):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            out.append((start, end))
-    return out
-
-
-def release_pages(address: int, length: int, mappings: list[tuple[int, int]]) -> int:
-    """Drop the whole pages of ``[address, address + length)`` from the resident set
-    (``madvise(MADV_DONTNEED)``), if the range lies in one of ``mappings`` of read-only or private
-    file maps: a dropped page is read from the file again if ever touched, so nothing is lost. Pages
-    shared with a neighbouring range are kept. Returns the bytes of the range advised."""
-    import ctypes
-    import mmap
-
-    page = mmap.PAGESIZE
-    start, end = -(-address // page) * page, (address + length) // page * page
-    if end <= start or not any(lo <= address and address + length <= hi for lo, hi in mappings):
-        return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
-        return 0
-    return end - start
-
-
-class MappedPages:
-    """Keeps the resident pages of the memory-mapped files ``keep`` accepts to about ``limit``.
-
-    A pass over a memory-mapped corpus keeps every page it touched resident, so RSS would grow
-    with the corpus, although the pages are the file's (the kernel reads them again if ever
-    needed). A pass calls :meth:`check` between its batches: when the process's file-backed
-    resident memory (RssFile) has grown by ``limit`` since the last release, the pages of those
-    mappings are handed back (:func:`release_pages`); :meth:`release` hands them back now.
-    (Synchronous, not a watching thread: a pass through datasets can starve other threads of the
-    GIL for seconds.)"""
-
-    def __init__(self, keep: Callable[[str], bool], limit: int = 64 * MiB):
-        self.keep, self.limit, self.base = keep, limit, None
-
-    def check(self) -> None:
-        now = _status().get("RssFile")
-        if now is None:  # not Linux
-            return
-        if self.base is None or now < self.base:
-            self.base = now
-        elif now - self.base > self.limit:
-            self.release()
-
-    def release(self) -> None:
-        for lo, hi in file_mappings(self.keep):
-            release_pages(lo, hi - lo, [(lo, hi)])
-        self.base = _status().get("RssFile")  # what stays (libraries' pages) is not counted again
-
-
 def reset_peak() -> None:
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -134,11 +61,11 @@ def reset_peak() -> None:
 
 def snapshot() -> dict[str, Any]:
     """Current and peak memory in MiB (peak since the last ``reset_peak``)."""
-    status = _status()
+    now = status()
     out: dict[str, Any] = {}
-    if "VmRSS" in status:
-        out["rss_mib"] = round(status["VmRSS"] / MiB, 1)
-        out["peak_rss_mib"] = round(status.get("VmHWM", status["VmRSS"]) / MiB, 1)
+    if "VmRSS" in now:
+        out["rss_mib"] = round(now["VmRSS"] / MiB, 1)
+        out["peak_rss_mib"] = round(now.get("VmHWM", now["VmRSS"]) / MiB, 1)
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_allocated_mib"] = round(torch.cuda.memory_allocated() / MiB, 1)

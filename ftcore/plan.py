@@ -10,7 +10,7 @@ import hashlib
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# The core's tables; plugins add theirs through register_plan_sections.
 TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate",
-             "export", "track", "distributed", "sweep")
+             "export", "track")
 RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
 SEED_MAX = 2**32 - 1  # numpy's seeds, which every trainer sets with torch's, are 0 ... 2**32 - 1
 STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
@@ -40,7 +41,8 @@ _SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_\-]{20,}|gh[po
                            r"|xox[abprs]-[A-Za-z0-9\-]{10,})")
 _URL_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.\-]*://[^:/@\s]+):[^@\s]+@", re.I)  # "postgresql://user:pw@host"
 _FOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-_SUBKEY = re.compile(r"^([A-Za-z_]\w*(?:\[\d+\])*(?:\.[A-Za-z_]\w*(?:\[\d+\])*)*): ")  # "tokenizer_data[0]: ..."
+_KEY = r'(?:[A-Za-z_]\w*|"[^"]*")(?:\[\d+\])*'  # a key, bare or quoted, and its indices
+_SUBKEY = re.compile(rf"^({_KEY}(?:\.{_KEY})*): ")  # "tokenizer_data[0]: ...", 'space."stage.sft.lr": ...' 
 
 
 def phase_order(stages: list[str]) -> list[str]:
@@ -55,6 +57,7 @@ class Selected:
     key: str  # key path in the plan, for messages: "stage[0]", "data.chat"
     reg: Registration
     options: BaseModel
+    written: str | None = None  # the name as the plan wrote it: "acme-dup:sft" where name is "sft"
 
     def create(self) -> Any:
         return self.reg.cls(self.options)
@@ -62,6 +65,11 @@ class Selected:
     @property
     def name(self) -> str:
         return self.reg.name
+
+    @property
+    def shown(self) -> str:
+        """The name as the plan wrote it, for what a run prints."""
+        return self.written or self.reg.name
 
 
 @dataclass
@@ -111,9 +119,16 @@ class Plan:
     exports: list[Export]
     rewards: dict[str, Selected]
     trackers: list[Selected]
-    distributed: Any = None  # ftcore.launch.Distributed: how many processes, which engine
     shown: str = ""  # the plan file as the user named it, for messages
-    sweep: Any = None  # ftcore.sweep.Sweep: the [sweep] table, which `ftcore sweep` runs and `ftcore run` ignores
+    sections: dict[str, Any] = field(default_factory=dict)  # name -> PlanSection: the tables plugins own
+    registry: Registry | None = None  # what the plan was checked against
+
+    def __getattr__(self, name: str) -> Any:
+        """``plan.<table>``: the value of a plugin-owned table (``plan.sweep``, ``plan.distributed``)."""
+        sections = self.__dict__.get("sections") or {}
+        if name in sections:
+            return sections[name].value
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def problem(self, key: str, message: str) -> str:
         """A problem with this plan, in the form validation reports them: ``<file>: <key>: <message>``."""
@@ -132,9 +147,10 @@ class Plan:
         return redact(self.raw)
 
     def fingerprint(self) -> str:
-        """Identity of the plan's content, ignoring formatting and comments. ``[distributed]`` is left
-        out: a run may be resumed on other hardware; so is ``[sweep]``, which a run does not read."""
-        content = {k: v for k, v in self.raw.items() if k not in ("distributed", "sweep")}
+        """Identity of the plan's content, ignoring formatting and comments. A plugin's table whose
+        section says ``fingerprint = False`` is left out (``[distributed]``: a run may be resumed on
+        other hardware; ``[sweep]``, which a run does not read)."""
+        content = {k: v for k, v in self.raw.items() if k not in self.sections or self.sections[k].fingerprint}
         blob = json.dumps(content, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
@@ -171,35 +187,25 @@ def read_toml(path: Path, shown: str) -> dict[str, Any]:
         raise PlanError([f"{where}: invalid TOML: {msg}"]) from None
 
 
-def load_plan(path: str | Path, registry: Registry, distributed: dict[str, Any] | None = None) -> Plan:
-    """Read and check a plan. Raises :class:`PlanError` listing every problem. ``distributed`` overrides
-    keys of the plan's ``[distributed]`` (the ``ftcore run`` flags)."""
+def load_plan(path: str | Path, registry: Registry, overrides: dict[str, dict[str, Any]] | None = None) -> Plan:
+    """Read and check a plan. Raises :class:`PlanError` listing every problem. ``overrides`` sets keys
+    of plugin-owned tables, by table (``ftcore run``'s flags set ``[distributed]``'s)."""
     shown = str(path)
     path = Path(path).expanduser().resolve()
-    return check_plan(read_toml(path, shown), path, registry, shown=shown, distributed=distributed)
+    return check_plan(read_toml(path, shown), path, registry, shown=shown, overrides=overrides)
 
 
 def check_plan(raw: dict[str, Any], path: str | Path, registry: Registry, *, shown: str | None = None,
-               distributed: dict[str, Any] | None = None) -> Plan:
+               overrides: dict[str, dict[str, Any]] | None = None) -> Plan:
     """Check a plan already read into a dict (a run manifest's copy, a plan built in code), as if it were
     the file ``path``: relative paths resolve against its folder and problems are prefixed ``shown``
     (default: ``path``). Raises :class:`PlanError` listing every problem."""
     path = Path(path).expanduser().resolve()
     checker = _Checker(shown or str(path), path.parent, registry)
-    plan = checker.check(raw, path, distributed or {})
+    plan = checker.check(raw, path, overrides or {})
     if checker.problems:
-        if "sweep" in raw:  # its shape at least; its values are checked against a valid plan
-            from .sweep import read
-
-            read(raw["sweep"], checker.problem)
         raise PlanError(checker.problems)
     assert plan is not None
-    if "sweep" in raw:
-        from .sweep import check
-
-        plan.sweep, problems = check(raw, path, registry, shown or str(path), plan)
-        if problems:
-            raise PlanError(problems)
     return plan
 
 
@@ -270,7 +276,7 @@ class _Checker:
         options = self.options(reg, key, options_raw, core_keys)
         if options is None:
             return None
-        return Selected(key, reg, options)
+        return Selected(key, reg, options, name)
 
     def options(self, reg: Registration, key: str, raw: dict, core_keys: tuple) -> BaseModel | None:
         model: type[BaseModel] = reg.cls.Options
@@ -309,10 +315,14 @@ class _Checker:
             return None
 
     # -- the plan ----------------------------------------------------------------------
-    def check(self, raw: dict, path: Path, overrides: dict[str, Any]) -> Plan | None:
+    def check(self, raw: dict, path: Path, overrides: dict[str, dict[str, Any]]) -> Plan | None:
+        owned = self.registry.sections
         for k in raw:
-            if k not in TOP_LEVEL:
-                self.problem(k, _unknown_key("unknown top-level key", k, TOP_LEVEL))
+            if k not in TOP_LEVEL and k not in owned:
+                self.problem(k, _unknown_key("unknown top-level key", k, [*TOP_LEVEL, *owned]))
+        sections = self.sections(raw, overrides)
+        for k in set(overrides) - set(owned):
+            self.problem(k, f"no installed plugin owns the table [{k}]")
 
         requires = self.requires(raw.get("requires", []))
 
@@ -376,7 +386,6 @@ class _Checker:
                 rewards[name] = sel
 
         trackers = self.trackers(raw.get("track"))
-        distributed = self.distributed({**(self.table(raw, "distributed") or {}), **overrides})
 
         def data_ref(section: dict, key: str, path: str, required: bool) -> str | None:
             """``name`` (its train split) or ``name:split``, e.g. ``chat:validation``."""
@@ -415,7 +424,8 @@ class _Checker:
                                          default=DEFAULTS["adapter"])
             else:  # the top-level [adapter]: each stage its own copy (a component may look its stage up by it)
                 adapter = shared_adapter and Selected("adapter", shared_adapter.reg,
-                                                      shared_adapter.options.model_copy(deep=True))
+                                                      shared_adapter.options.model_copy(deep=True),
+                                                      shared_adapter.written)
             if trainer:
                 self.check_references(trainer, key, [s.name for s in stages], reward_names)
             if trainer and adapter and ref:
@@ -453,10 +463,7 @@ class _Checker:
         if self.problems or model is None or quantizer is None or template is None:
             return None
         plan = Plan(path, raw, run_name, seed, output_dir, requires, model, quantizer, template, data,
-                    stages, evaluations, exports, rewards, trackers, distributed, self.shown)
-        for msg in distributed.problems(plan):
-            key, _, message = msg.partition(": ")
-            self.problem(f"distributed.{key}", message)
+                    stages, evaluations, exports, rewards, trackers, self.shown, sections, self.registry)
         # Cross-checks a component makes against the whole plan (cheap: nothing is loaded).
         for sel in [model, quantizer, template, *data.values(), *(s.trainer for s in stages),
                     *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
@@ -468,24 +475,54 @@ class _Checker:
                 self.problem(sel.key, f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in check(): "
                                       f"{type(exc).__name__}: {first}")
                 continue
-            for msg in messages:
-                sub = _SUBKEY.match(msg)
-                if sub:
-                    self.problem(f"{sel.key}.{sub.group(1)}", msg[sub.end():])
-                else:
-                    self.problem(sel.key, msg)
+            self.problems_of(sel.key, messages)
+        # Then the plugins' tables, against a plan otherwise valid ([sweep] checks its values in it).
+        for name, section in sections.items():
+            if not self.problems:
+                reg = self.registry.sections[name][0]
+                try:
+                    self.problems_of(name, section.check(plan))
+                except Exception as exc:  # a plugin bug, reported as such rather than as a traceback
+                    self.problem(name, f"plan section [{name}] from {reg.who()} failed in check(): "
+                                       f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
         return plan
 
-    def distributed(self, section: dict[str, Any]) -> Any:
-        """``[distributed]`` (with the command line's overrides), or the one-process default."""
-        from .launch import Distributed
+    def problems_of(self, key: str, messages: list[str]) -> None:
+        """A component's or a section's problems, ``"sub.key: message"`` or a message for all of ``key``."""
+        for msg in messages:
+            sub = _SUBKEY.match(msg)
+            if sub:
+                self.problem(f"{key}.{sub.group(1)}", msg[sub.end():])
+            else:
+                self.problem(key, msg)
 
-        fields = Distributed.model_fields
-        unknown = [k for k in section if k not in fields]
-        for k in unknown:
-            self.problem(f"distributed.{k}", _unknown_key("unknown key", k, fields))
-        known = {k: v for k, v in section.items() if k in fields}
-        return self.validated(Distributed, "distributed", known, None) or Distributed()
+    def sections(self, raw: dict, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The tables plugins own: each installed section with its table read (``None`` if not written)."""
+        out = {}
+        for name, owners in self.registry.sections.items():
+            table = raw.get(name)
+            if name in overrides:
+                table = {**(table if isinstance(table, dict) else {}), **overrides[name]}
+            cls = owners[0].cls
+            if table is not None and len(owners) > 1:
+                self.problem(name, f"the table [{name}] is owned by both {owners[0].who()} and {owners[1].who()}; "
+                                   "uninstall one of them")
+                table = None
+            parse = getattr(cls, "parse", None)
+            if table is None:
+                options = None
+            elif parse is not None:
+                options = parse(table, self.problem)
+            elif not isinstance(table, dict):
+                self.problem(name, f"must be a table ([{name}]), got {_type(table)}")
+                options = None
+            else:
+                fields = {info.alias or f for f, info in cls.Options.model_fields.items()}
+                for k in set(table) - fields:
+                    self.problem(f"{name}.{k}", _unknown_key("unknown key", k, fields))
+                options = self.validated(cls.Options, name, {k: v for k, v in table.items() if k in fields}, None)
+            out[name] = cls(options)
+        return out
 
     def trackers(self, value: Any) -> list[Selected]:
         """``track = ["tensorboard", "mlflow"]``, or ``[track.mlflow]`` tables with options."""

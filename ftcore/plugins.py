@@ -25,98 +25,14 @@ from .registry import Registration, Registry
 
 ENTRY_POINT_GROUP = "ftcore"
 
-# Registered by module path, through the same hooks a third party uses.
-BUILTIN_PLUGINS = (
-    "ftcore_plugins.models.hf",
-    "ftcore_plugins.models.scratch",
-    "ftcore_plugins.data.jsonl",
-    "ftcore_plugins.data.json",
-    "ftcore_plugins.data.csv",
-    "ftcore_plugins.data.parquet",
-    "ftcore_plugins.data.text",
-    "ftcore_plugins.data.arrow",
-    "ftcore_plugins.data.hf",
-    "ftcore_plugins.data.mix",
-    "ftcore_plugins.templates.chatml",
-    "ftcore_plugins.templates.native",
-    "ftcore_plugins.templates.llama2",
-    "ftcore_plugins.templates.llama3",
-    "ftcore_plugins.templates.mistral",
-    "ftcore_plugins.templates.gemma",
-    "ftcore_plugins.templates.phi3",
-    "ftcore_plugins.templates.qwen25",
-    "ftcore_plugins.templates.qwen3",
-    "ftcore_plugins.templates.llama31",
-    "ftcore_plugins.templates.mistral_v3",
-    "ftcore_plugins.templates.tekken",
-    "ftcore_plugins.templates.gemma3",
-    "ftcore_plugins.templates.phi4",
-    "ftcore_plugins.templates.deepseek_r1",
-    "ftcore_plugins.templates.gpt_oss",
-    "ftcore_plugins.templates.alpaca",
-    "ftcore_plugins.templates.vicuna",
-    "ftcore_plugins.templates.zephyr",
-    "ftcore_plugins.templates.jinja",
-    "ftcore_plugins.adapters.lora",
-    "ftcore_plugins.adapters.dora",
-    "ftcore_plugins.adapters.rslora",
-    "ftcore_plugins.adapters.pissa",
-    "ftcore_plugins.adapters.olora",
-    "ftcore_plugins.adapters.loftq",
-    "ftcore_plugins.adapters.loraplus",
-    "ftcore_plugins.adapters.ia3",
-    "ftcore_plugins.adapters.prompt_tuning",
-    "ftcore_plugins.adapters.prefix_tuning",
-    "ftcore_plugins.adapters.full",
-    "ftcore_plugins.adapters.freeze",
-    "ftcore_plugins.quantizers.none",
-    "ftcore_plugins.quantizers.bnb_nf4",
-    "ftcore_plugins.quantizers.bnb_fp4",
-    "ftcore_plugins.quantizers.bnb_int8",
-    "ftcore_plugins.trainers.sft",
-    "ftcore_plugins.trainers.pretrain",
-    "ftcore_plugins.evaluators.perplexity",
-    "ftcore_plugins.evaluators.exact_match",
-    "ftcore_plugins.evaluators.compare",
-    "ftcore_plugins.evaluators.forgetting",
-    "ftcore_plugins.evaluators.preference",
-    "ftcore_plugins.exporters.adapter",
-    "ftcore_plugins.exporters.merged",
-    "ftcore_plugins.rewards.contains",
-    "ftcore_plugins.rewards.regex",
-    "ftcore_plugins.trainers.grpo",
-    "ftcore_plugins.trainers.rloo",
-    "ftcore_plugins.trainers.ppo",
-    "ftcore_plugins.trackers.tensorboard",
-    "ftcore_plugins.trackers.mlflow",
-    "ftcore_plugins.trackers.wandb",
-    "ftcore_plugins.trainers.dpo",
-    "ftcore_plugins.trainers.kto",
-    "ftcore_plugins.trainers.orpo",
-    "ftcore_plugins.trainers.reward",
-    "ftcore_plugins.evaluators.generation",
-    "ftcore_plugins.evaluators.lm_eval",
-    "ftcore_plugins.exporters.onnx",
-    "ftcore_plugins.exporters.gguf",
-    "ftcore_plugins.exporters.mlflow",
-)
 
-# Built-in subcommands beyond run/validate/plugins; `ftcore --help` imports these and no other built-in.
-BUILTIN_COMMANDS = (
-    "ftcore_plugins.commands.init",
-    "ftcore_plugins.commands.estimate",
-    "ftcore_plugins.commands.report",
-    "ftcore_plugins.commands.cache",
-    "ftcore_plugins.commands.prepare",
-    "ftcore_plugins.commands.check",
-    "ftcore_plugins.commands.lr_find",
-    "ftcore_plugins.commands.sweep",
-    "ftcore_plugins.commands.chat",
-    "ftcore_plugins.commands.generate",
-)
 
-# The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them.
-CORE_COMMANDS = ("run", "validate", "plugins")
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``BUILTIN_PLUGINS`` and ``BUILTIN_COMMANDS``: the built-in plugins' modules, which the
+    ``ftcore_plugins`` package lists (``COMPONENTS``, ``COMMANDS``)."""
+    if name in ("BUILTIN_PLUGINS", "BUILTIN_COMMANDS"):
+        return _builtins(components=name == "BUILTIN_PLUGINS", commands=name == "BUILTIN_COMMANDS")
+    raise AttributeError(f"module 'ftcore.plugins' has no attribute {name!r}")
 
 
 @dataclass
@@ -136,14 +52,13 @@ class PluginManager(pluggy.PluginManager):
         self.infos: dict[str, PluginInfo] = {}
         self.failures: list[str] = []
         self._registry: Registry | None = None
-        self._commands: tuple[dict[str, Any], list[str]] | None = None
         self._warned: set[tuple[str, str]] = set()
 
     def add_plugin(self, obj: object, info: PluginInfo) -> None:
         try:
             self.register(obj, name=info.name)
         except Exception as exc:  # pluggy validates hook signatures here
-            self.failures.append(f"{_who(info)} is not a valid plugin: {_one_line(exc)}")
+            self.failures.append(f"{_who(info)} is not a valid plugin: {one_line(exc)}")
             return
         self.infos[info.name] = info
 
@@ -160,7 +75,7 @@ class PluginManager(pluggy.PluginManager):
         try:
             self.register(obj, name=name)
         except Exception as exc:  # pluggy validates hook signatures here
-            raise FtcoreError(f"{reg.kind} '{reg.name}' from {reg.who()} is not a valid plugin: {_one_line(exc)}") \
+            raise FtcoreError(f"{reg.kind} '{reg.name}' from {reg.who()} is not a valid plugin: {one_line(exc)}") \
                 from None
         self.infos[name] = info
         return name
@@ -183,7 +98,7 @@ class PluginManager(pluggy.PluginManager):
                 ]
                 hints = "; ".join(f"unknown hook '{b}'{did_you_mean(b, specs)}" for b in bad)
                 self.unregister(exc.plugin)
-                self.failures.append(f"{_who(info)} was not loaded: {hints or _one_line(exc)}")
+                self.failures.append(f"{_who(info)} was not loaded: {hints or one_line(exc)}")
 
     def notify(self, hook: str, **kwargs: object) -> list[str]:
         """Call a lifecycle hook on every plugin. A plugin that raises is reported, once
@@ -197,7 +112,7 @@ class PluginManager(pluggy.PluginManager):
                 if (impl.plugin_name, hook) not in self._warned:
                     self._warned.add((impl.plugin_name, hook))
                     info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
-                    problems.append(f"{_who(info)} failed in {hook}: {_one_line(exc)} "
+                    problems.append(f"{_who(info)} failed in {hook}: {one_line(exc)} "
                                     "(the run goes on; later failures of this hook are not reported)")
         return problems
 
@@ -223,49 +138,38 @@ class PluginManager(pluggy.PluginManager):
                 try:
                     impl.function(register=register)
                 except Exception as exc:
-                    registry.problems.append(f"{_who(info)} failed in {kind.hook}: {_one_line(exc)}")
+                    registry.problems.append(f"{_who(info)} failed in {kind.hook}: {one_line(exc)}")
+        self._sections(registry)
         registry.problems[:0] = self.failures
         self._registry = registry
         return registry
 
+    def _sections(self, registry: Registry) -> None:
+        """The plan tables plugins own (``register_plan_sections``), into ``registry.sections``."""
+        from .component import PlanSection
+        from .plan import TOP_LEVEL
 
-    def commands(self) -> tuple[dict[str, Any], list[str]]:
-        """Every registered command by name, and the problems met collecting them. A name clash is a
-        warning naming the winner: the core's commands, then built-in ones, then the first loaded."""
-        if self._commands is not None:
-            return self._commands
-        from .command import CommandInfo, check_command
-
-        found: dict[str, CommandInfo] = {}
-        problems: list[str] = []
-        for impl in reversed(self.hook.register_commands.get_hookimpls()):  # registration order
+        for impl in reversed(self.hook.register_plan_sections.get_hookimpls()):  # registration order
             info = self.infos.get(impl.plugin_name) or PluginInfo(impl.plugin_name, "?", "?", "?")
 
             def register(cls: type, _info=info) -> None:
-                problem = check_command(cls)
-                if problem:
-                    problems.append(f"{_who(_info)} registered an invalid command: {problem}")
+                name = getattr(cls, "name", None)
+                if not (inspect.isclass(cls) and issubclass(cls, PlanSection)):
+                    problem = f"expected a subclass of ftcore.component.PlanSection, got {cls!r}"
+                elif not isinstance(name, str) or not name.isidentifier() or not name.islower():
+                    problem = f"{cls.__qualname__} has no valid 'name' (a lower-case TOML key): {name!r}"
+                elif name in TOP_LEVEL:
+                    problem = f"{cls.__qualname__} names [{name}], which is ftcore's own table"
+                else:
+                    registry.add_section(Registration("plan section", name, cls, _info.name, _info.dist,
+                                                      _info.version))
                     return
-                new = CommandInfo(cls.name, cls, _info.name, _info.dist, _info.version)
-                if cls.name in CORE_COMMANDS:
-                    problems.append(f"{new.who()} registered the command '{cls.name}', which is ftcore's own; "
-                                    "ignored")
-                    return
-                old = found.get(cls.name)
-                if old is not None:
-                    winner, loser = (new, old) if new.dist == "ftcore" and old.dist != "ftcore" else (old, new)
-                    found[cls.name] = winner
-                    problems.append(f"command '{cls.name}' is registered by both {winner.who()} and {loser.who()}; "
-                                    f"`ftcore {cls.name}` runs the one from {winner.who()}")
-                    return
-                found[cls.name] = new
+                registry.problems.append(f"{_who(_info)} registered an invalid plan section: {problem}")
 
             try:
                 impl.function(register=register)
             except Exception as exc:
-                problems.append(f"{_who(info)} failed in register_commands: {_one_line(exc)}")
-        self._commands = (found, problems)
-        return self._commands
+                registry.problems.append(f"{_who(info)} failed in register_plan_sections: {one_line(exc)}")
 
 
 def get_plugin_manager(
@@ -287,15 +191,14 @@ def get_plugin_manager(
     pm = PluginManager()
 
     if builtins:
-        _ensure_builtin_package()
-        for module_name in (BUILTIN_PLUGINS if components else ()) + BUILTIN_COMMANDS:
+        for module_name in _builtins(components):
             if _builtin_names(module_name) & block:
                 continue
             info = PluginInfo(module_name, "ftcore", __version__, "builtin")
             try:
                 module = importlib.import_module(module_name)
             except Exception as exc:
-                pm.failures.append(f"{_who(info)} failed to import: {_one_line(exc)}")
+                pm.failures.append(f"{_who(info)} failed to import: {one_line(exc)}")
                 continue
             pm.add_plugin(module, info)
 
@@ -317,12 +220,32 @@ def get_plugin_manager(
             try:
                 obj = ep.load()
             except Exception as exc:
-                pm.failures.append(f"{_who(info)} failed to import ({ep.value}): {_one_line(exc)}")
+                pm.failures.append(f"{_who(info)} failed to import ({ep.value}): {one_line(exc)}")
                 continue
             pm.add_plugin(obj, info)
 
     pm.check_pending()
     return pm
+
+
+_warned: set[str] = set()
+
+
+def warn(problem: str) -> None:
+    """Print a plugin problem once per process, however many plugin managers meet it."""
+    if problem not in _warned:
+        _warned.add(problem)
+        print(f"warning: {problem}", file=sys.stderr)
+
+
+def plugins_with_warnings(quiet: bool = False) -> tuple[PluginManager, Registry]:
+    """Every plugin and the component registry, each plugin problem printed once as a warning."""
+    pm = get_plugin_manager()
+    registry = pm.registry()
+    if not quiet:
+        for problem in registry.problems:
+            warn(problem)
+    return pm, registry
 
 
 def _check_component(cls: object, methods: tuple[str, ...], base_model: type) -> str | None:
@@ -338,6 +261,14 @@ def _check_component(cls: object, methods: tuple[str, ...], base_model: type) ->
     if not (inspect.isclass(options) and issubclass(options, base_model)):
         return f"{cls.__qualname__} ('{name}') has no pydantic 'Options' model"
     return None
+
+
+def _builtins(components: bool, commands: bool = True) -> tuple[str, ...]:
+    """The built-in plugins by module path, as the ``ftcore_plugins`` package lists them: the components'
+    (and plan sections') modules, then the commands'. They register through the hooks a third party uses."""
+    _ensure_builtin_package()
+    package = importlib.import_module("ftcore_plugins")
+    return (package.COMPONENTS if components else ()) + (package.COMMANDS if commands else ())
 
 
 def _ensure_builtin_package() -> None:
@@ -378,7 +309,7 @@ def _who(info: PluginInfo) -> str:
     return f"plugin '{info.name}' ({info.dist} {info.version})"
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 

@@ -53,6 +53,7 @@ class Registry:
     )
     problems: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # bare names resolved to a shadowed built-in
+    sections: dict[str, list[Registration]] = field(default_factory=dict)  # plan table -> the plugins owning it
 
     def add(self, reg: Registration) -> None:
         if not _NAME.match(reg.name):
@@ -66,6 +67,15 @@ class Registry:
             self.problems.append(f"{reg.who()} registered the {reg.kind} '{reg.name}' twice")
             return
         same.append(reg)
+
+    def add_section(self, reg: Registration) -> None:
+        """A plan table a plugin owns. A second owner is a problem, and a plan that writes the table
+        is refused (``plan.py``), as the bare name of a component two third parties register is."""
+        owners = self.sections.setdefault(reg.name, [])
+        if owners:
+            self.problems.append(f"{reg.who()} and {owners[0].who()} both own the plan table [{reg.name}]; "
+                                 "a plan that writes it is refused until one of them is uninstalled")
+        owners.append(reg)
 
     def names(self, kind: str) -> list[str]:
         return sorted(self.entries[kind])

@@ -8,6 +8,7 @@ rebuild the model a later step needs from the saved stage outputs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import launch, memory, rundir
+from . import memory, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
 from .errors import ComponentError, FtcoreError, PlanError
 from .plan import _SUBKEY, Plan, Selected, Stage, phase_order
@@ -36,26 +37,6 @@ class ModelState:
     adapter_from: int  # index of the stage where that adapter was first applied
 
 
-class ModelCache:
-    """Models one process keeps between runs (``ftcore sweep``'s trials): the base model and the models
-    after stages every trial shares are built once; each run gets its own deep copy, so training one
-    never changes another's start. Holds one extra copy of each kept model."""
-
-    def __init__(self) -> None:
-        self._kept: dict[str, tuple[Any, Any]] = {}
-        self.built = self.copied = 0
-
-    def get(self, key: str, build: Any) -> tuple[Any, Any]:
-        import copy
-
-        if key not in self._kept:
-            self.built += 1
-            self._kept[key] = build()
-        else:
-            self.copied += 1
-        return copy.deepcopy(self._kept[key])
-
-
 @dataclass
 class StepTime:
     name: str
@@ -65,10 +46,11 @@ class StepTime:
 
 class Runner:
     def __init__(self, plan: Plan, pm: PluginManager, console: Any, *, resume: bool = False, force: bool = False,
-                 shared_stages: dict[str, Path] | None = None, models: ModelCache | None = None):
+                 shared_stages: dict[str, Path] | None = None, models: Any = None):
         """``shared_stages``: finished stage folders from another run of the same stages (a sweep's shared
         run), linked into this run's folder so they count as done here; ``models``: a cache that keeps
-        the base and restored stage models across the runs of one process."""
+        the base and restored stage models across the runs of one process, ``models.get(key, build)``
+        (``ftcore sweep``'s ``ModelCache``)."""
         self.plan = plan
         self.shared_stages = shared_stages or {}
         self.models = models
@@ -102,8 +84,12 @@ class Runner:
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         self._preflight()
-        # Rank 0 alone applies the run-directory rules; the others wait for its decision before they read.
-        note = launch.from_main(self._prepare, self.info.world_size)
+        # Rank 0 alone applies the run-directory rules; the others wait for its decision before they read
+        # ([distributed]'s on_main shares it).
+        decide = self._prepare
+        for section in self.plan.sections.values():
+            decide = functools.partial(section.on_main, decide)
+        note = decide()
         self._link_shared_stages()
         handler = self._log_to_file()
         self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
@@ -248,6 +234,48 @@ class Runner:
             done.append((stage.name, "prepared"))
         return done
 
+    def _check_data(self, stages: list[Stage]) -> None:
+        """Before the model loads: read the data of the stages still to train and of the evaluations (each
+        source once; the stages and evaluations reuse what is read here), then have each stage's trainer
+        prepare its rows as ``ftcore prepare`` does, with the run's tokenizer and template on a model built
+        on the meta device (no weights read). A bad row, or data a trainer refuses, stops the run here,
+        not after the model loaded; the prepared rows wait in the cache of tokenized data, where the
+        stage finds them. A loader that cannot give its tokenizer without the weights skips the second
+        part (and so does a distributed run, whose ranks prepare their data as they train)."""
+        refs = [ref for s in stages for ref in (s.data, s.eval_data) if ref]
+        refs += [e.data for e in self.plan.evaluations if e.data]
+        for ref in dict.fromkeys(refs):
+            self._load_data(ref)
+        preparing = [s for s in stages if hasattr(s.trainer.reg.cls, "prepare_data")
+                     and hasattr(self._load_data(s.data), "__len__")]  # a streaming source is read as it trains
+        loader = self.plan.model.create()
+        if not preparing or self.info.world_size > 1 or not (hasattr(loader, "load_tokenizer")
+                                                              and hasattr(loader, "meta_model")):
+            return
+        try:
+            model = loader.meta_model()[0]
+        except Exception as exc:  # noqa: BLE001 - not buildable here (a hub id not downloaded): the load says why
+            log.debug("data check before loading skipped: %s", exc)
+            return
+        work = self.run_dir / "model"  # where the loader keeps what it makes (a trained tokenizer), for the load
+        work.mkdir(parents=True, exist_ok=True)
+        with calling(self.plan.model, "load"):
+            tokenizer = loader.load_tokenizer(LoadContext(self.info, self.reporter, self.quantizer, self.plan.seed,
+                                                          work, self._load_data))
+        prepare = getattr(self.template, "prepare", None)
+        if prepare is not None:
+            with calling(self.plan.template, "prepare"):
+                model, tokenizer = prepare(model, tokenizer)
+        silent = Reporter(None, None, None, None)  # the stage reports its data when it trains
+        for stage in preparing:
+            ctx = StageContext(self.info, silent, stage.name, model, tokenizer, self.template,
+                               self._load_data(stage.data),
+                               self._load_data(stage.eval_data) if stage.eval_data else None,
+                               self.stage_dir(stage), self.stage_dir(stage) / "checkpoints", None, self.plan.seed,
+                               adapter=stage.adapter.create())
+            with calling(stage.trainer, "prepare_data"):
+                stage.trainer.create().prepare_data(ctx)
+
     def data_context(self, stage: Stage, model: Any, tokenizer: Any) -> StageContext:
         """A stage's context for work on its data outside a run (``ftcore prepare``, ``ftcore check``):
         its train and eval rows, no checkpoint to resume from; nothing is written in its folders."""
@@ -297,6 +325,8 @@ class Runner:
             self.reporter.info("nothing left to do: every stage, evaluation and export is complete")
             return
 
+        if pending:
+            self._check_data(pending)
         if before:
             # No local name for the model: one here would hold it (trained and merged in place) through
             # the exports, after an exporter releases it.
@@ -431,8 +461,8 @@ class Runner:
             self._measure(f"{stage.name}: adapter applied")
         resume_from = _last_checkpoint(checkpoints) if self.resume else None
         with self._step(stage.name) as metrics:
-            self.reporter.info(f"stage [bold]{stage.name}[/]: trainer '{stage.trainer.name}', "
-                               f"adapter '{stage.adapter.name}', data '{stage.data}'"
+            self.reporter.info(f"stage [bold]{stage.name}[/]: trainer '{stage.trainer.shown}', "
+                               f"adapter '{stage.adapter.shown}', data '{stage.data}'"
                                + (f", resuming from {resume_from.name}" if resume_from else ""))
             ctx = StageContext(self.info, self.reporter, stage.name, model, state.tokenizer, self.template,
                                self._load_data(stage.data),

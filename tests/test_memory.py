@@ -58,7 +58,7 @@ def test_a_pass_over_a_memory_mapped_dataset_is_handed_back_as_it_goes(tmp_path)
     the rows still read the same afterwards (the kernel reads the pages from the file again)."""
     import datasets
 
-    from ftcore.memory import MiB, MappedPages, reset_peak, snapshot
+    from ftcore_plugins.common.memory import MiB, MappedPages, reset_peak, snapshot
     from ftcore_plugins.common.prepare import ARROW_PAGES, data_fingerprint
 
     rows = datasets.Dataset.from_dict({"text": [f"row {i} " + "x" * 2000 for i in range(160_000)]})

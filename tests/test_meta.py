@@ -55,6 +55,10 @@ def test_every_builtin_plugin_registers_something_and_is_a_module_per_component(
     for kind in KINDS:
         for reg in registry.all(kind):
             by_plugin[reg.plugin] = by_plugin.get(reg.plugin, 0) + 1
+    for regs in registry.sections.values():  # or a plan table its kind owns ([distributed])
+        for reg in regs:
+            if reg.plugin in BUILTIN_PLUGINS:
+                by_plugin[reg.plugin] = by_plugin.get(reg.plugin, 0) + 1
     assert by_plugin == {name: 1 for name in BUILTIN_PLUGINS}
 
 
@@ -85,7 +89,9 @@ def test_the_readme_is_short_and_gives_both_commands_first():
 
 
 def test_every_command_is_in_the_readme_and_in_docs():
-    commands, problems = get_plugin_manager(entry_points=False).commands()
+    from ftcore.command import commands as collect_commands
+
+    commands, problems = collect_commands(get_plugin_manager(entry_points=False))
     assert not problems
     for name in ["run", "validate", "plugins", *commands]:
         assert f"`ftcore {name}" in README, f"ftcore {name} is not in the README's table of commands"
@@ -194,3 +200,62 @@ def test_no_option_takes_inf_or_nan():
         for bad in (float("inf"), float("-inf"), float("nan")):
             with pytest.raises(ValidationError, match="finite number"):
                 options.model_validate({field: bad}, context={"base_dir": ROOT})
+
+
+# -- the kernel ------------------------------------------------------------------------------------
+
+KERNEL = ROOT / "ftcore"
+# The plugin authors' kit builds tiny models (torch, the built-in scratch loader): it is not the kernel.
+NOT_KERNEL = {"testing.py"}
+
+
+def _kernel_imports(path):
+    """``(ftcore modules, other top-level packages)`` a kernel module imports, at module level or inside
+    functions; imports under ``if TYPE_CHECKING:`` are for annotations and not counted."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    modules = {p.stem for p in KERNEL.glob("*.py")}
+    inside, outside = set(), set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level:
+            inside |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "ftcore":
+            inside |= {a.name for a in node.names}
+        else:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            inside |= {n.split(".")[1] for n in names if n.startswith("ftcore.")}
+            outside |= {n.split(".")[0] for n in names if not n.startswith("ftcore.") and n != "ftcore"}
+    return (inside & modules) - {path.stem}, outside
+
+
+def test_the_kernel_imports_no_torch_transformers_or_plugin():
+    heavy = {"torch", "transformers", "trl", "peft", "datasets", "accelerate", "deepspeed", "ftcore_plugins"}
+    found = {f"{p.name} imports {', '.join(sorted(_kernel_imports(p)[1] & heavy))}"
+             for p in sorted(KERNEL.glob("*.py")) if p.name not in NOT_KERNEL and _kernel_imports(p)[1] & heavy}
+    assert not found, sorted(found)
+
+
+def test_the_kernel_has_no_import_circle():
+    graph = {p.stem: _kernel_imports(p)[0] for p in KERNEL.glob("*.py")}
+    circles = []
+
+    def visit(module, path):
+        for target in sorted(graph.get(module, ())):
+            if target in path:
+                circles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in done:
+                visit(target, [*path, target])
+        done.add(module)
+
+    done: set[str] = set()
+    for module in sorted(graph):
+        if module not in done:
+            visit(module, [module])
+    assert not circles, circles
+

@@ -74,7 +74,7 @@ def test_shards_give_the_data_one_pass_gives_and_resume_after_a_kill(monkeypatch
     one in-memory pass; a preparation that dies in its third shard resumes there, encoding only
     the shards it had not finished, and a row's error names its place in the whole data."""
     import ftcore_plugins.common.prepare as prepare_module
-    from ftcore.cache import cache_dir
+    from ftcore_plugins.common.cache import cache_dir
 
     tok, template = qwen(), chatml()
     rows = chat_rows(35) + [{"messages": LONG}]

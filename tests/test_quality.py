@@ -223,7 +223,7 @@ max_steps = 1
 def test_near_dedup_says_when_its_index_may_not_fit(monkeypatch):
     """The index grows by NearDuplicates.BYTES_PER_ROW a row (benchmarks/dedup_memory.py measured it):
     when that would take over half the memory available, one warning says so, with the numbers."""
-    from ftcore import memory
+    from ftcore_plugins.common import memory
     from ftcore_plugins.data._quality import NearDuplicates, clean_and_split
 
     rows = [text(f"{LONG} {i}") for i in range(40)]

@@ -146,7 +146,7 @@ def test_a_good_sweep_validates_and_a_run_ignores_it(tiny_project):
 
 
 def test_apply_turns_shorthands_into_tables():
-    from ftcore.sweep import apply, locate
+    from ftcore_plugins.commands._sweep_plan import apply, locate
 
     raw = {"adapter": "lora", "stage": [{"name": "a", "trainer": "sft"}, {"trainer": "sft", "adapter": "dora"}]}
     keys, why = locate(raw, "stage.a.adapter.r")

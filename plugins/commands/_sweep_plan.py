@@ -17,7 +17,8 @@ A space key is a dotted path into the plan: ``stage.<name>.<option>`` (also ``.a
 ``evaluate.<name>.<option>``, ``export.<name>.<option>``, ``data.<name>.<option>``,
 ``reward.<name>.<option>``, ``model.<option>``, ``template.<option>``, ``quantizer.<option>``,
 ``adapter.<option>`` and ``run.seed``. This module reads and checks the table and fills values into
-a plan; it imports neither Optuna nor torch, so ``ftcore validate`` stays light.
+a plan; it imports neither Optuna nor torch, so ``ftcore validate`` stays light. The sweep command owns
+the table: it registers :class:`SweepSection` through ``register_plan_sections``.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
-from .errors import did_you_mean, unknown_choice
+from ftcore.component import PlanSection
+from ftcore.errors import did_you_mean, unknown_choice
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes")
 PRUNERS = ("median", "hyperband", "none")
@@ -286,28 +287,42 @@ def _param(path: str, spec: Any, problem: Any) -> Param | None:
     return Param(path, (), low=low, high=high, log=log, step=step)
 
 
-def check(raw: dict[str, Any], path: Path, registry: Any, shown: str, plan: Any) -> tuple[Sweep | None, list[str]]:
-    """Read ``[sweep]`` of a plan whose other parts are valid (``plan``) and check it against them:
-    every path exists, each extreme value of each range passes the option's own validation, and the
-    metric names an evaluation that runs after training (or a stage with eval data). Returns the
-    sweep and the problems, each ``<file>: sweep...: message``."""
-    from .errors import PlanError
-    from .plan import check_plan
+class SweepSection(PlanSection):
+    """[sweep]: the hyperparameter search of ``ftcore sweep``; ``ftcore run`` ignores it."""
+
+    name = "sweep"
+    fingerprint = False  # a run does not read it
+
+    @classmethod
+    def parse(cls, table: Any, problem: Any) -> Sweep | None:
+        return read(table, problem)
+
+    def check(self, plan: Any) -> list[str]:
+        self.options, problems = check(self.options, plan)
+        return problems
+
+
+def check(sweep: Sweep | None, plan: Any) -> tuple[Sweep | None, list[str]]:
+    """Check ``[sweep]`` (as :func:`read` read it) against the rest of its plan, which is valid: every
+    path exists, each extreme value of each range passes the option's own validation, and the metric
+    names an evaluation that runs after training (or a stage with eval data). Returns the sweep with its
+    paths located, and the problems, each ``key: message`` in the table."""
+    from ftcore.errors import PlanError
+    from ftcore.plan import check_plan
 
     problems: list[str] = []
 
     def problem(key: str, message: str) -> None:
-        problems.append(f"{shown}: {key}: {message}")
+        problems.append(f"{key}: {message}" if key else message)
 
-    sweep = read(raw["sweep"], problem)
     if sweep is None:
         return None, problems
-    base = strip(raw)
+    base, shown = strip(plan.raw), plan.shown or str(plan.path)
     located = []
     for p in sweep.space:
         keys, why = locate(base, p.path)
         if keys is None:
-            problem(f'sweep.space."{p.path}"', why)
+            problem(f'space."{p.path}"', why)
             continue
         located.append(replace(p, keys=keys))
     if problems:
@@ -316,20 +331,20 @@ def check(raw: dict[str, Any], path: Path, registry: Any, shown: str, plan: Any)
     for p in sweep.space:
         for value in p.extremes():
             try:
-                check_plan(apply(base, {p.keys: value}), path, registry, shown=shown)
+                check_plan(apply(base, {p.keys: value}), plan.path, plan.registry, shown=shown)
             except PlanError as exc:
                 for line in exc.problems:
                     message = line[len(shown) + 2:] if line.startswith(f"{shown}: ") else line
                     unknown = "unknown key" in message  # the path itself, whatever the value
-                    problem(f'sweep.space."{p.path}"', message if unknown else f"{value!r} fails the plan's check: "
-                                                                                f"{message}")
+                    problem(f'space."{p.path}"', message if unknown else f"{value!r} fails the plan's check: "
+                                                                          f"{message}")
                 break
     stages = plan.stages
     if sweep.metric == EVAL_LOSS or sweep.pruner != "none":
         stage = stages[sweep.pruned_stage(len(stages))] if stages else None
         if stage is not None and stage.eval_data is None:
             what = "metric eval_loss" if sweep.metric == EVAL_LOSS else f"pruner {sweep.pruner!r}"
-            problem("sweep.metric" if sweep.metric == EVAL_LOSS else "sweep.pruner",
+            problem("metric" if sweep.metric == EVAL_LOSS else "pruner",
                     f"{what} reads stage {stage.name!r}'s eval loss, and it has no eval_data; set eval_data "
                     f"(and eval_steps) on it" + ("" if sweep.metric == EVAL_LOSS else ", or pruner = \"none\""))
     if sweep.metric != EVAL_LOSS:
@@ -338,16 +353,16 @@ def check(raw: dict[str, Any], path: Path, registry: Any, shown: str, plan: Any)
         if found is None:
             names = [e.name for e in plan.evaluations]
             hint = did_you_mean(evaluation, names)
-            problem("sweep.metric", f"no evaluation named {evaluation!r}" + (f"{hint} Evaluations: " if hint else
+            problem("metric", f"no evaluation named {evaluation!r}" + (f"{hint} Evaluations: " if hint else
                                     "; evaluations: ") + f"{', '.join(names) or 'none'} (or use \"eval_loss\")")
         elif "after" not in found.when:
-            problem("sweep.metric", f"evaluation {evaluation!r} does not run after training (when = "
+            problem("metric", f"evaluation {evaluation!r} does not run after training (when = "
                                     f"{list(found.when)}); add \"after\" to its when")
     if sweep.sampler == "cmaes" and any(p.kind == "categorical" for p in sweep.space):
-        problem("sweep.sampler", "cmaes searches numeric ranges only; its categorical parameters would be sampled "
+        problem("sampler", "cmaes searches numeric ranges only; its categorical parameters would be sampled "
                                  "at random: use \"tpe\" for choices")
-    if plan.distributed.wanted:
-        problem("sweep", "a sweep runs its trials in one process; remove [distributed], or run several "
+    if getattr(plan.sections.get("distributed"), "value", None) is not None and plan.distributed.wanted:
+        problem("", "a sweep runs its trials in one process; remove [distributed], or run several "
                          "`ftcore sweep` processes on one storage (docs/sweeps.md)")
     return (sweep if not problems else None), problems
 

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import ftcore
-from ftcore.cache import cache_dir
+from ftcore_plugins.common.cache import cache_dir
 from ftcore.command import Command
 
 

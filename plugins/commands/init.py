@@ -223,7 +223,7 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
     import shutil
     import tempfile
 
-    from ftcore.cli import plugins_with_warnings
+    from ftcore.plugins import plugins_with_warnings
     from ftcore.plan import load_plan
 
     from ftcore_plugins.commands.estimate import GiB, estimate_plan, human

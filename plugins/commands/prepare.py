@@ -28,7 +28,7 @@ class PrepareCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from rich.console import Console
 
-        from ftcore.cache import cache_dir
+        from ftcore_plugins.common.cache import cache_dir
         from ftcore.reporter import quiet_libraries
 
         quiet_libraries(verbose=args.debug)

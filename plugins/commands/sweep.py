@@ -16,6 +16,8 @@ import ftcore
 from ftcore.command import Command
 from ftcore.errors import ComponentError, FtcoreError, Interrupted
 
+from ftcore_plugins.commands._sweep_plan import SweepSection
+
 MANIFEST = "sweep.json"
 STUDY_DB = "study.db"
 
@@ -90,8 +92,6 @@ class Sweeper:
     """One ``ftcore sweep``: the folder, the study, the shared stages and the trials."""
 
     def __init__(self, plan: Any, pm: Any, console: Any, shown: str, resume: bool):
-        from ftcore.runner import ModelCache
-
         self.plan, self.pm, self.console, self.shown, self.resume = plan, pm, console, shown, resume
         self.spec = plan.sweep
         self.folder = plan.run_dir
@@ -252,7 +252,7 @@ class Sweeper:
     def trial_raw(self, values: dict, name: str, output_dir: Path) -> dict[str, Any]:
         """A trial's plan: the sweep's values in, its run folder set, and no export that registers
         (``reads_exports``): the sweep registers its best trial alone, at the end."""
-        from ftcore.sweep import apply, strip
+        from ftcore_plugins.commands._sweep_plan import apply, strip
 
         raw = apply(strip(self.plan.raw), values)
         raw["run"] = {**raw.get("run", {}), "output_dir": str(output_dir), "name": name}
@@ -377,6 +377,26 @@ class Sweeper:
         self.console.print(text, highlight=False, soft_wrap=True)
 
 
+class ModelCache:
+    """Models one process keeps between runs (``ftcore sweep``'s trials): the base model and the models
+    after stages every trial shares are built once; each run gets its own deep copy, so training one
+    never changes another's start. Holds one extra copy of each kept model."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[Any, Any]] = {}
+        self.built = self.copied = 0
+
+    def get(self, key: str, build: Any) -> tuple[Any, Any]:
+        import copy
+
+        if key not in self._kept:
+            self.built += 1
+            self._kept[key] = build()
+        else:
+            self.copied += 1
+        return copy.deepcopy(self._kept[key])
+
+
 @dataclass
 class _Indexed:
     index: int  # the export's place in the plan's [[export]] array
@@ -456,3 +476,8 @@ def _alive(pid: Any) -> bool:
 @ftcore.hookimpl
 def register_commands(register):
     register(SweepCommand)
+
+
+@ftcore.hookimpl
+def register_plan_sections(register):
+    register(SweepSection)

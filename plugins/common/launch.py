@@ -1,8 +1,11 @@
-"""Scaling a run out: the plan's ``[distributed]`` section, and ``ftcore run`` re-run under torchrun.
+"""Scaling a run out: the plan's ``[distributed]`` table, and ``ftcore run`` re-run under torchrun.
 
-``ftcore run`` with more than one process starts ``python -m torch.distributed.run ... -m ftcore run
-<same arguments>`` and waits: each worker runs the whole plan, rank 0 alone writes and prints. Nothing
-here imports torch at module level, so ``ftcore validate`` and ``--help`` stay light.
+``ftcore run`` with more than one process starts ``python -m torch.distributed.run ...
+-m ftcore_plugins.common.launch run <same arguments>`` and waits: each worker runs the whole plan
+(``ftcore``'s own command line, this module's ``__main__`` recording how the rank ended), rank 0
+alone writes and prints. The table belongs to the distributed engines (``trainers/distributed.py``
+registers it); the sweep command and the trainers read it too. Nothing here imports torch at module
+level, so ``ftcore validate`` and ``--help`` stay light.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .types import InputPath
+from ftcore.types import InputPath
 
 # Set by the launcher in the workers it starts: where they leave their exit codes and, for ranks
 # above 0, their stderr. A worker started by a user's own torchrun has LOCAL_RANK instead.
 LAUNCH_DIR = "FTCORE_LAUNCH_DIR"
+WORKER = "ftcore_plugins.common.launch"  # what each worker runs: `ftcore`, its exit code recorded
 ENGINE_KEYS = {"deepspeed": ("zero_stage", "offload_optimizer", "deepspeed_config"),
                "fsdp": ("fsdp_sharding", "fsdp_wrap")}
 # FSDP2 (the only FSDP transformers 5 keeps) shards fully or keeps parameters gathered between
@@ -117,7 +121,7 @@ def launcher_command(d: Distributed, argv: list[str]) -> list[str]:
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(d.accelerate_config),
                 "--num_machines", str(d.nnodes), "--machine_rank", str(d.node_rank),
                 "--main_process_ip", d.master_addr, "--main_process_port", str(d.master_port),
-                "-m", "ftcore", *argv]
+                "-m", WORKER, *argv]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(d.nproc_per_node),
            "--nnodes", str(d.nnodes)]
     if d.rdzv_endpoint:
@@ -126,7 +130,7 @@ def launcher_command(d: Distributed, argv: list[str]) -> list[str]:
             cmd += ["--node-rank", str(d.node_rank)]
     else:
         cmd += ["--node-rank", str(d.node_rank), "--master-addr", d.master_addr, "--master-port", str(d.master_port)]
-    return [*cmd, "-m", "ftcore", *argv]
+    return [*cmd, "-m", WORKER, *argv]
 
 
 def launch(d: Distributed, argv: list[str]) -> int:
@@ -230,7 +234,7 @@ def record_exit(code: int) -> None:
 def from_main(fn: Any, world_size: int) -> Any:
     """Run ``fn`` on rank 0 alone and give every rank its result, or raise its ``FtcoreError`` on every
     rank (a refused run directory stops all workers, not only the one that checked)."""
-    from .errors import FtcoreError
+    from ftcore.errors import FtcoreError
 
     if world_size == 1:
         return fn()
@@ -255,3 +259,11 @@ def barrier() -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
+
+
+if __name__ == "__main__":  # a worker: `ftcore <argv>`, and how this rank ended for our launcher
+    from ftcore.cli import main
+
+    exit_code = main(sys.argv[1:])
+    record_exit(exit_code)
+    raise SystemExit(exit_code)

@@ -4,7 +4,7 @@ The cache key covers everything that changes the result: the rows' content, the
 tokenizer (vocabulary, merges, special tokens, chat template), the chat template
 component (name, options and what it renders for a probe conversation), every
 tokenization option, and ``DATA_LAYER_VERSION``. Entries live in
-``ftcore.cache.cache_dir()/tokenized``, outside any run directory.
+``ftcore_plugins.common.cache.cache_dir()/tokenized``, outside any run directory.
 
 Preparation streams: the rows are tokenized a batch at a time and written to Arrow shards of
 ``SHARD_ROWS`` rows as they go, so the tokenized set is never held in memory, and the entry is the
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ftcore.cache import cache_dir
-from ftcore.memory import MappedPages
+from ftcore_plugins.common.cache import cache_dir
+from ftcore_plugins.common.memory import MappedPages
 
 from ftcore_plugins.common.chat import Truncation, encode
 

@@ -29,6 +29,7 @@ SERVED_EXPORTS = ("merged", "adapter", "gguf")  # the exporters whose output cha
 PIP_LLAMA_CPP = "pip install llama-cpp-python"
 # Highest precision first: the GGUF file chosen when an export wrote several.
 GGUF_PREFERENCE = ("f32", "f16", "bf16", "q8_0")
+MAX_NEW_TOKENS = 1 << 24  # the bound of a plan's token lengths (ftcore.types.Tokens)
 
 
 @dataclass
@@ -48,6 +49,9 @@ class Sampling:
             return f"top_p must be in (0, 1], got {self.top_p}"
         if self.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {self.max_new_tokens}"
+        if self.max_new_tokens > MAX_NEW_TOKENS:  # beyond any model's context: refused before a model loads
+            return f"max_new_tokens must be at most {MAX_NEW_TOKENS:,} (more than any model's context), got " \
+                   f"{self.max_new_tokens:,}"
         return None
 
     @property
@@ -193,7 +197,7 @@ def saved_plan(run_dir: Path, manifest: dict) -> tuple[Any, Any]:
     """The run's plan and the plugin manager: the plan file when it is unchanged since the run (it keeps
     the secrets the manifest redacts), else the plan saved in the manifest, with relative paths
     resolved against the plan file's folder as they were."""
-    from ftcore.cli import plugins_with_warnings
+    from ftcore.plugins import plugins_with_warnings
     from ftcore.errors import PlanError
     from ftcore.plan import check_plan, load_plan
 

@@ -185,7 +185,7 @@ def filtered_out(row: dict, o: QualityOptions) -> str | None:
 def memory_warning(rows: int, per_row: int, where: str) -> str | None:
     """Why near dedup of ``rows`` rows may not fit: its index would take over half the memory
     available now. None when it fits."""
-    from ftcore import memory
+    from ftcore_plugins.common import memory
 
     need, available = rows * per_row, memory.available_bytes()
     if not available or need <= available / 2:

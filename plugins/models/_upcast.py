@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftcore.memory import file_mappings, release_pages
+from ftcore_plugins.common.memory import file_mappings, release_pages
 
 
 def upcast(model: Any, dtype: Any) -> int:

@@ -88,7 +88,7 @@ def checkpoint_keeper(save_total_limit: int | None, save_each_evaluation: bool =
                 control.should_save = True
 
         def on_save(self, args, state, control, **kw):
-            from ftcore.launch import barrier
+            from ftcore_plugins.common.launch import barrier
 
             barrier()  # every rank has written its part (DeepSpeed and FSDP shards) before rank 0 marks it
             if not state.is_world_process_zero:

@@ -1,6 +1,6 @@
 """``ftcore runs [FOLDER]``: one line per run directory under FOLDER (default ``runs``), from the files
 each run wrote: its status, when it started, the stages it completed, and its evaluations' main metric
-before and after training.
+before and after training; and the plan's ``[notes]`` (an owner, tags), a table this package owns.
 
 It reads only JSON files, so it imports nothing heavy: ``ftcore --help`` loads every command module.
 """
@@ -13,7 +13,27 @@ from pathlib import Path
 
 import ftcore
 from ftcore.command import Command
+from ftcore.component import Options, PlanSection
 from ftcore.errors import FtcoreError
+
+
+class Notes(Options):
+    """The keys of ``[notes]``, validated as a component's options are (unknown keys are errors)."""
+
+    owner: str | None = None
+    tags: list[str] = []
+
+
+class NotesSection(PlanSection):
+    """[notes]: who owns a plan, and tags to find its runs by; ``ftcore runs`` shows them."""
+
+    name = "notes"
+    Options = Notes
+    fingerprint = False  # editing the notes does not make a finished run another run
+
+    def check(self, plan) -> list[str]:
+        tags = self.options.tags if self.options else []
+        return [f"tags: {tag!r} is listed twice" for tag in sorted(set(tags)) if tags.count(tag) > 1]
 
 
 def read_run(folder: Path) -> dict | None:
@@ -24,9 +44,11 @@ def read_run(folder: Path) -> dict | None:
         return None
     stages = [s["name"] for s in manifest.get("resolved", {}).get("stages", [])]
     done = [name for name in stages if (folder / "stages" / name / "COMPLETE.json").exists()]
+    notes = manifest.get("plan", {}).get("notes", {})
     return {"run": folder.name, "status": manifest.get("status", "?"),
             "started": str(manifest.get("started_at", "?"))[:19].replace("T", " "),
-            "stages": f"{len(done)}/{len(stages)}", "metrics": _metrics(folder)}
+            "stages": f"{len(done)}/{len(stages)}", "metrics": _metrics(folder),
+            "owner": notes.get("owner") or "", "tags": list(notes.get("tags", []))}
 
 
 def _metrics(folder: Path) -> str:
@@ -75,10 +97,11 @@ class RunsCommand(Command):
         from rich.table import Table
 
         table = Table(box=None, padding=(0, 2), pad_edge=False)
-        for column in ("run", "status", "started", "stages", "metrics"):
+        for column in ("run", "status", "started", "stages", "metrics", "owner", "tags"):
             table.add_column(column, overflow="fold")
         for r in runs:
-            table.add_row(r["run"], r["status"], r["started"], r["stages"], r["metrics"])
+            table.add_row(r["run"], r["status"], r["started"], r["stages"], r["metrics"], r["owner"],
+                          ", ".join(r["tags"]))
         Console().print(table)
         if not runs:
             print(f"{folder}: no ftcore runs")
@@ -88,3 +111,8 @@ class RunsCommand(Command):
 @ftcore.hookimpl
 def register_commands(register):
     register(RunsCommand)
+
+
+@ftcore.hookimpl
+def register_plan_sections(register):
+    register(NotesSection)

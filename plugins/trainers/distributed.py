@@ -1,0 +1,54 @@
+"""The ``[distributed]`` table, owned by the distributed engines (DDP, FSDP, DeepSpeed) the trainers
+run: how many processes, which engine (docs/distributed.md). ``ftcore run`` hands the plan to it before
+running: with more than one process it starts them under torchrun (``common/launch.py``) and waits;
+in each worker it sets the process up and shares rank 0's decisions. It is not part of the plan's
+fingerprint: a run may be resumed on other hardware."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import ftcore
+from ftcore.component import PlanSection
+
+from ftcore_plugins.common.launch import Distributed
+
+
+class DistributedSection(PlanSection):
+    """[distributed]: processes, nodes and the engine that shares the work between them."""
+
+    name = "distributed"
+    Options = Distributed
+    fingerprint = False
+
+    @property
+    def value(self) -> Distributed:
+        """The table, or the one-process default where the plan has none."""
+        return self.options or Distributed()
+
+    def check(self, plan: Any) -> list[str]:
+        return self.value.problems(plan)
+
+    def launch(self, plan: Any, argv: list[str]) -> int | None:
+        from ftcore_plugins.common import launch
+
+        d = self.value
+        if d.wanted and not launch.is_worker():
+            print(f"ftcore: starting {d.nproc_per_node} process(es) on this node ({d.engine}, node {d.node_rank} of "
+                  f"{d.nnodes})" if d.accelerate_config is None else f"ftcore: starting accelerate launch with "
+                  f"{d.accelerate_config}", file=sys.stderr)
+            return launch.launch(d, argv)
+        launch.start_worker(d)
+        return None
+
+    def on_main(self, fn: Any) -> Any:
+        from ftcore_plugins.common.launch import from_main
+
+        return from_main(fn, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+@ftcore.hookimpl
+def register_plan_sections(register):
+    register(DistributedSection)

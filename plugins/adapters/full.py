@@ -6,6 +6,7 @@ import ftcore
 from ftcore.component import Component
 
 from ftcore_plugins.common.model import report_trainable
+from ftcore_plugins.common.tokens import ADDED_IDS, added_token_ids
 
 
 class FullAdapter(Component):
@@ -26,6 +27,10 @@ class FullAdapter(Component):
     def restore(self, base, path, ctx):
         model = type(base).from_pretrained(path, dtype=base.dtype)
         model.generation_config = base.generation_config
+        # The template's added tokens are the base's record, not the saved model's: without it a LoRA
+        # stage after this one (a resumed run restores this stage) would leave their rows frozen.
+        if added_token_ids(base):
+            setattr(model, ADDED_IDS, added_token_ids(base))
         return model
 
     def merge(self, model):

@@ -247,6 +247,23 @@ def test_same_trainer_name_from_two_plugins_is_a_conflict_resolved_by_qualified_
     assert "OK" in r.stdout and "sft (shared, full)" in r.stdout
 
 
+def test_a_run_names_a_plugin_trainer_as_the_plan_wrote_it(tmp_path):
+    """A plugin's trainer that shares the built-in's name, chosen as ``acme-dup:sft``: the run uses the
+    plugin's (it records that it trained) and its stage line says ``trainer 'acme-dup:sft'``, not the
+    bare ``'sft'``, which would be the built-in."""
+    site = tmp_path / "site"
+    marker = tmp_path / "trained-by-acme.txt"
+    body = f"open({str(marker)!r}, 'w').write(ctx.stage); return {{}}"
+    add_dist(site, "acme-dup", {"acme_mod": component_module("register_trainers", "Dup", "sft", "train", body)},
+             {"acme": "acme_mod"})
+    plan = write_plan(tmp_path, trainer="acme-dup:sft")
+    r = ftcore_cli("run", str(plan), cwd=tmp_path, site=site)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert marker.read_text() == "sft"  # the plugin's trainer ran, not the built-in
+    [line] = lines_with(r.stdout, "stage sft: trainer")
+    assert line.strip() == "stage sft: trainer 'acme-dup:sft', adapter 'full', data 'train'", line
+
+
 # -- allow and block lists ------------------------------------------------------------------------
 
 def test_disable_and_load_plugins_environment_variables(tmp_path):

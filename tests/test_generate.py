@@ -139,6 +139,22 @@ def test_missing_input_and_bad_options(tmp_path):
     assert (result.returncode, result.stderr.strip()) == (2, "error: --top-p must be in (0, 1], got 0.0")
     result = run_cli("generate", str(tmp_path), "--input", str(prompts), "--output", out, "--batch-size", "0")
     assert (result.returncode, result.stderr.strip()) == (2, "error: --batch-size must be >= 1, got 0")
+    # Beyond any model's context: refused before anything loads (a run's model caps what is within it).
+    result = run_cli("generate", str(tmp_path), "--input", str(prompts), "--output", out, "--max-new-tokens",
+                     "100000000")
+    assert (result.returncode, result.stderr.strip()) == \
+        (2, "error: --max-new-tokens must be at most 16,777,216 (more than any model's context), got 100,000,000")
+
+
+@pytest.mark.slow
+def test_max_new_tokens_beyond_the_context_is_capped_as_chat_caps_it(quickstart_run, tmp_path):
+    """The quickstart's model takes 256 positions: --max-new-tokens 100000 is capped at 256, with chat's
+    note on stderr, and the answers are those of a smaller budget (greedy, they stop by themselves)."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Which word is an animal? red cat tree"}])
+    rows, result = generate(quickstart_run, tmp_path, "long", "--max-new-tokens", "100000", rows_file=prompts)
+    assert "(--max-new-tokens 100000 is beyond the model's context of 256 tokens: capped at 256)" in result.stderr
+    assert "greedy max_new_tokens=256" in result.stderr
+    assert rows[0]["answer"] == "the cat"
 
 
 @pytest.mark.slow

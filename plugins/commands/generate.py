@@ -14,7 +14,8 @@ import ftcore
 from ftcore.command import Command
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.commands.chat import add_model_arguments, add_sampling_arguments, sampling_from
+from ftcore_plugins.commands.chat import (add_model_arguments, add_sampling_arguments, capped, context_length,
+                                          sampling_from)
 
 ACCEPTED = ("prompt (a string or a list of messages), messages, conversations (ShareGPT), "
             "or instruction/output (Alpaca)")
@@ -130,6 +131,8 @@ class GenerateCommand(Command):
         console = Console(stderr=True, soft_wrap=True)
         run = Run(args.run_dir, console)
         model = run.model(stage=args.stage, export=args.export)
+        # As ftcore chat: no answer is longer than the model's context; a longer --max-new-tokens is capped, saying so.
+        sampling = capped(sampling, context_length(model), lambda note: console.print(note, highlight=False))
         prompts = []
         for row in rows:
             try:

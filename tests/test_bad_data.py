@@ -436,3 +436,34 @@ def test_reasoning_is_kept_and_its_key_pruned_when_no_row_has_it(tmp_path):
     assert got.ds[1]["messages"][1]["reasoning_content"] is None
     got = load_data(tmp_path, source("json", write(tmp_path, "n.jsonl", lines(CHAT, CHAT))))
     assert got.ds.to_list() == [CHAT, CHAT]  # plain conversations stay {"role", "content"}
+
+
+# -- a run refuses bad data before it loads the model ---------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", ["a row", "the trainer"])
+def test_a_run_refuses_bad_data_before_the_model_loads(tmp_path, bad):
+    """A stage's data with an invalid JSON line, or plain text given to ``sft``: one line naming the file
+    (and the line), exit 2, and the run stops before the model is built (no "scratch model" line, no
+    "model loaded" record) and before any stage starts. The tokenizer is trained on other data, so
+    nothing reads the stage's data before the check does."""
+    from ftcore.testing import chat_rows, write_plan
+
+    rows = [json.dumps(r) for r in chat_rows(8)]
+    (tmp_path / "bad.jsonl").write_text("\n".join(rows[:2] + ['{"messages": [}'] + rows[2:]) + "\n")
+    data = "bad" if bad == "a row" else "text"
+    plan = write_plan(tmp_path, {"model": {"tokenizer_data": ["chat"]},
+                                 "data": {"bad": {"use": "jsonl", "path": "bad.jsonl"}},
+                                 "stage": [{"name": "sft", "trainer": "sft", "data": data, "adapter": "full",
+                                            "max_steps": 2, "batch_size": 4, "max_length": 64}]})
+    r = run_cli("run", str(plan), cwd=tmp_path)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    [line] = r.stderr.strip().splitlines()
+    if bad == "a row":
+        assert line.startswith("error: data.bad: bad.jsonl:3: invalid JSON: "), line
+    else:
+        assert line.startswith("error: ") and "text.jsonl" in line and "trainer 'sft'" in line, line
+    assert "Traceback" not in r.stderr
+    assert "scratch model:" not in r.stdout and "stage sft:" not in r.stdout, r.stdout
+    records = (tmp_path / "runs" / "tiny" / "metrics.jsonl").read_text()
+    assert "model loaded" not in records

@@ -31,7 +31,7 @@ def __getattr__(name: str) -> tuple[str, ...]:
     """``BUILTIN_PLUGINS`` and ``BUILTIN_COMMANDS``: the built-in plugins' modules, which the
     ``ftcore_plugins`` package lists (``COMPONENTS``, ``COMMANDS``)."""
     if name in ("BUILTIN_PLUGINS", "BUILTIN_COMMANDS"):
-        return _builtins(components=name == "BUILTIN_PLUGINS", commands=name == "BUILTIN_COMMANDS")
+        return getattr(_builtin_package(), "COMPONENTS" if name == "BUILTIN_PLUGINS" else "COMMANDS")
     raise AttributeError(f"module 'ftcore.plugins' has no attribute {name!r}")
 
 
@@ -191,8 +191,9 @@ def get_plugin_manager(
     pm = PluginManager()
 
     if builtins:
-        for module_name in _builtins(components):
-            if _builtin_names(module_name) & block:
+        package = _builtin_package()
+        for module_name in (package.COMPONENTS if components else ()) + package.COMMANDS:
+            if package.names(module_name) & block:
                 continue
             info = PluginInfo(module_name, "ftcore", __version__, "builtin")
             try:
@@ -263,12 +264,11 @@ def _check_component(cls: object, methods: tuple[str, ...], base_model: type) ->
     return None
 
 
-def _builtins(components: bool, commands: bool = True) -> tuple[str, ...]:
-    """The built-in plugins by module path, as the ``ftcore_plugins`` package lists them: the components'
-    (and plan sections') modules, then the commands'. They register through the hooks a third party uses."""
+def _builtin_package() -> Any:
+    """``ftcore_plugins``, which lists the built-in plugins by module path: ``COMPONENTS`` (and plan
+    sections), then ``COMMANDS``. They register through the hooks a third party uses."""
     _ensure_builtin_package()
-    package = importlib.import_module("ftcore_plugins")
-    return (package.COMPONENTS if components else ()) + (package.COMMANDS if commands else ())
+    return importlib.import_module("ftcore_plugins")
 
 
 def _ensure_builtin_package() -> None:
@@ -284,21 +284,6 @@ def _ensure_builtin_package() -> None:
     module = importlib.util.module_from_spec(spec)
     sys.modules["ftcore_plugins"] = module
     spec.loader.exec_module(module)
-
-
-# Each folder's prefix in the flat layout before 0.2, so FTCORE_DISABLE_PLUGINS=eval_perplexity still works.
-_FLAT_PREFIX = {"models": "model_", "data": "data_", "templates": "template_", "adapters": "adapter_",
-                "quantizers": "quantizer_", "trainers": "trainer_", "evaluators": "eval_", "exporters": "export_",
-                "trackers": "tracker_", "rewards": "reward_", "commands": "command_"}
-
-
-def _builtin_names(module_name: str) -> set[str]:
-    """The names FTCORE_DISABLE_PLUGINS matches for a built-in module: its path
-    (``ftcore_plugins.evaluators.perplexity``), the path in the package (``evaluators.perplexity``)
-    and the flat name it had before (``eval_perplexity``)."""
-    inner = module_name.removeprefix("ftcore_plugins.")
-    folder, _, stem = inner.rpartition(".")
-    return {module_name, inner, _FLAT_PREFIX.get(folder, "") + stem}
 
 
 def _spec_names(pm: pluggy.PluginManager) -> list[str]:

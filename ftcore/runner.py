@@ -186,54 +186,6 @@ class Runner:
         if problems:
             raise PlanError(problems)
 
-    def data_tokenizer(self) -> tuple[Any, Any]:
-        """``(model, tokenizer)`` for work on the data alone (``ftcore prepare``, ``ftcore estimate``):
-        the run's tokenizer, with the template's tokens added to the model built on the meta device,
-        so no weights are read. The reporter writes nothing to the run folder."""
-        import tempfile
-
-        self._ensure_reporter()
-        loader = self.plan.model.create()
-        with tempfile.TemporaryDirectory(prefix="ftcore-data-") as work:
-            ctx = LoadContext(self.info, self.reporter, self.quantizer, self.plan.seed, Path(work), self._load_data)
-            with calling(self.plan.model, "load"):
-                if hasattr(loader, "load_tokenizer") and hasattr(loader, "meta_model"):
-                    tokenizer, model = loader.load_tokenizer(ctx), loader.meta_model()[0]
-                else:  # a loader that cannot give its tokenizer alone: the whole model
-                    model, tokenizer = loader.load(ctx)
-        prepare = getattr(self.template, "prepare", None)
-        if prepare is not None:
-            with calling(self.plan.template, "prepare"):
-                model, tokenizer = prepare(model, tokenizer)
-        return model, tokenizer
-
-    def prepare_data(self, only: list[str] | None = None) -> list[tuple[str, str]]:
-        """Only the data preparation (``ftcore prepare``): each stage's trainer ``prepare_data(ctx)``
-        fills the shared tokenized-data cache, so that a run starts from it. Its tokenizer is the
-        run's (the loader's, with the template's tokens added to a meta-device model): no weights
-        are read, nothing is written in the run folder. Returns ``(stage, what happened)`` per stage."""
-        stages = [s for s in self.plan.stages if only is None or s.name in only]
-        missing = sorted(set(only or ()) - {s.name for s in stages})
-        if missing:
-            raise FtcoreError(f"no stage named {', '.join(map(repr, missing))}; stages: "
-                              f"{', '.join(s.name for s in self.plan.stages)}")
-        model, tokenizer = self.data_tokenizer()
-        done = []
-        for stage in stages:
-            trainer = stage.trainer.create()
-            if not hasattr(trainer, "prepare_data"):
-                done.append((stage.name, f"trainer '{stage.trainer.name}' tokenizes its data as it trains"))
-                continue
-            train = self._load_data(stage.data)
-            if not hasattr(train, "__len__"):  # a streaming source: read as it trains
-                done.append((stage.name, f"data '{stage.data}' streams as the stage trains: nothing to prepare"))
-                continue
-            ctx = self.data_context(stage, model, tokenizer)
-            with calling(stage.trainer, "prepare_data"):
-                trainer.prepare_data(ctx)
-            done.append((stage.name, "prepared"))
-        return done
-
     def _check_data(self, stages: list[Stage]) -> None:
         """Before the model loads: read the data of the stages still to train and of the evaluations (each
         source once; the stages and evaluations reuse what is read here), then have each stage's trainer
@@ -275,14 +227,6 @@ class Runner:
                                adapter=stage.adapter.create())
             with calling(stage.trainer, "prepare_data"):
                 stage.trainer.create().prepare_data(ctx)
-
-    def data_context(self, stage: Stage, model: Any, tokenizer: Any) -> StageContext:
-        """A stage's context for work on its data outside a run (``ftcore prepare``, ``ftcore check``):
-        its train and eval rows, no checkpoint to resume from; nothing is written in its folders."""
-        return StageContext(self.info, self.reporter, stage.name, model, tokenizer, self.template,
-                            self._load_data(stage.data), self._load_data(stage.eval_data) if stage.eval_data else None,
-                            self.stage_dir(stage), self.stage_dir(stage) / "checkpoints", None, self.plan.seed,
-                            adapter=stage.adapter.create())
 
     def _prepare(self) -> str:
         self._check_exports_free()

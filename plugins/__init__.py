@@ -98,3 +98,17 @@ COMMANDS = (
     "ftcore_plugins.commands.chat",
     "ftcore_plugins.commands.generate",
 )
+
+# Each folder's prefix in the flat layout before 0.2, so FTCORE_DISABLE_PLUGINS=eval_perplexity still works.
+FLAT_PREFIX = {"models": "model_", "data": "data_", "templates": "template_", "adapters": "adapter_",
+               "quantizers": "quantizer_", "trainers": "trainer_", "evaluators": "eval_", "exporters": "export_",
+               "trackers": "tracker_", "rewards": "reward_", "commands": "command_"}
+
+
+def names(module_name: str) -> set[str]:
+    """The names ``FTCORE_DISABLE_PLUGINS`` matches for a built-in module: its path
+    (``ftcore_plugins.evaluators.perplexity``), the path in the package (``evaluators.perplexity``)
+    and the flat name it had before (``eval_perplexity``)."""
+    inner = module_name.removeprefix("ftcore_plugins.")
+    folder, _, stem = inner.rpartition(".")
+    return {module_name, inner, FLAT_PREFIX.get(folder, "") + stem}

@@ -15,7 +15,9 @@ def supervised_rows(runner: Any, stage: Any, model: Any, tokenizer: Any) -> Any:
     from ftcore_plugins.common.chat import chosen_as_chat
     from ftcore_plugins.common.prepare import data_origin, prepare
 
-    ctx = runner.data_context(stage, model, tokenizer)
+    from ftcore_plugins.common.run_data import data_context
+
+    ctx = data_context(runner, stage, model, tokenizer)
     trainer = stage.trainer.create()
     if hasattr(trainer, "prepare_data"):
         with calling(stage.trainer, "prepare_data"):

@@ -600,12 +600,13 @@ def estimate_time(plan: Any, pm: Any, result: Estimate, *, gpu: str, gpus: int, 
     from ftcore.runner import Runner
 
     from ftcore_plugins.commands import _compute as C
+    from ftcore_plugins.common.run_data import data_tokenizer
 
     peak, peak_source = C.peak_flops(gpu, peak_flops)
     mfu = mfu if mfu is not None else (1.0 if gpu == "cpu" else C.MFU)
     runner = Runner(plan, pm, None)
     with _quiet():
-        _, tokenizer = runner.data_tokenizer()
+        _, tokenizer = data_tokenizer(runner)
         config = _meta_model(plan, plan.model.create(), lambda *a: contextlib.nullcontext(), {})[1]
         stages = [C.stage_compute(s, runner, stage, tokenizer, config, peak=peak, mfu=mfu, gpus=gpus, price=price,
                                   compute_params=s.compute_params)

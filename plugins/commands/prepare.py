@@ -34,9 +34,11 @@ class PrepareCommand(Command):
         quiet_libraries(verbose=args.debug)
         from ftcore.runner import Runner
 
+        from ftcore_plugins.common.run_data import prepare_data
+
         plan, pm = self.load_plan(args.plan)
         console = Console()
-        for stage, outcome in Runner(plan, pm, console).prepare_data(args.stage):
+        for stage, outcome in prepare_data(Runner(plan, pm, console), args.stage):
             console.print(f"stage [bold]{stage}[/]: {outcome}", highlight=False)
         console.print(f"cache: {cache_dir() / 'tokenized'}", highlight=False)
         return 0

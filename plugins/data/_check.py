@@ -236,6 +236,8 @@ def _prepare_stages(plan: Any, report: Report) -> None:
     from ftcore.plugins import get_plugin_manager
     from ftcore.runner import Runner, calling
 
+    from ftcore_plugins.common.run_data import data_context, data_tokenizer
+
     runner = Runner(plan, get_plugin_manager(), None)
     runner.reporter = runner.info.reporter = _Quiet()
     loader = plan.model.create()
@@ -245,7 +247,7 @@ def _prepare_stages(plan: Any, report: Report) -> None:
         return
     try:
         with _quiet_datasets():
-            model, tokenizer = runner.data_tokenizer()
+            model, tokenizer = data_tokenizer(runner)
     except (FtcoreError, ComponentError) as exc:
         report.notes.append(f"stages' data not prepared: {_one_line(str(exc))}")
         return
@@ -257,7 +259,7 @@ def _prepare_stages(plan: Any, report: Report) -> None:
             continue
         try:
             with _quiet_datasets():
-                ctx = runner.data_context(stage, model, tokenizer)
+                ctx = data_context(runner, stage, model, tokenizer)
                 if not hasattr(ctx.train_data, "__len__"):  # a streaming source: read as the stage trains
                     continue
                 with calling(stage.trainer, "prepare_data"):

@@ -189,3 +189,22 @@ def test_what_image_rows_do_not_do_yet_is_one_line():
         "stage sft: packing = true is not supported for rows with images yet; set packing = false"
     assert "the rows hold images, but the model is a text model (its loader gave no processor)" in \
         refusal(SimpleNamespace())
+
+
+def test_hf_loader_reads_a_vlm_folder_with_its_processor(tmp_path):
+    """A saved VLM folder (model and processor) loads as AutoModelForImageTextToText, its processor attached,
+    and passes the loader's preflight (a model type transformers builds, shapes that match the weights)."""
+    from types import SimpleNamespace
+
+    from ftcore_plugins.common.vision import processor_of
+    from ftcore_plugins.models.hf import HFModelLoader
+
+    model, processor = built("llava")
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    loader = HFModelLoader(HFModelLoader.Options(path=str(tmp_path / "vlm"), dtype="float32"))
+    assert loader.vision() and loader.preflight(SimpleNamespace()) == []
+    assert type(loader.meta_model()[0]).__name__ == "LlavaForConditionalGeneration"
+    loaded, tokenizer = loader.load(SimpleNamespace(quantizer=SimpleNamespace(load_kwargs=lambda: {}), run=None))
+    assert type(loaded).__name__ == "LlavaForConditionalGeneration"
+    assert type(processor_of(tokenizer)).__name__ == "LlavaProcessor" and tokenizer.chat_template

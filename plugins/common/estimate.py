@@ -28,12 +28,16 @@ MiB = 2**20
 
 
 def meta_model_from_config(config: Any, dtype: Any, **kwargs: Any) -> Any:
-    """A causal LM built from ``config`` on the meta device: exact shapes, no memory."""
+    """A causal LM (or a vision-language model) built from ``config`` on the meta device: exact shapes,
+    no memory."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    vlm = getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and \
+        getattr(config, "vision_config", None) is not None
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        return (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config, dtype=dtype, **kwargs)
 
 
 def _checkpoint_dtype(folder: Path) -> Any:

@@ -219,6 +219,20 @@ def tokenizer_files_problem(folder: Path) -> str | None:
 
 # -- what needs transformers (a run's preflight) -------------------------------------------------------
 
+def image_text_types() -> set[str]:
+    """The model types transformers builds an image-text-to-text model (a VLM) of."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def is_vlm_config(config: Any) -> bool:
+    """Whether a config (a transformers config or config.json's dict) describes a vision-language model:
+    an image-text-to-text model type with a vision tower."""
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    return get("model_type") in image_text_types() and get("vision_config") is not None
+
+
 def model_type_problem(model_type: Any, trust_remote_code: bool, remote: bool) -> str | None:
     """A ``model_type`` transformers cannot build a causal LM of. ``remote``: the config names its own
     code (``auto_map``), which ``trust_remote_code`` lets in."""
@@ -239,7 +253,7 @@ def model_type_problem(model_type: Any, trust_remote_code: bool, remote: bool) -
         more = "; the config names its own code: set trust_remote_code = true if you trust it" if remote else \
             "; a newer one may"
         return f"unknown model type {model_type!r} ({version} does not know it{more}){hint}"
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in image_text_types():
         hint = did_you_mean(model_type, causal)
         return f"model type {model_type!r} has no causal language model in {version}, and ftcore trains causal " \
                f"LMs (llama, mistral, qwen2, qwen3, gemma2, phi3, ...){hint}"

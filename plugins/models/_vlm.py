@@ -82,10 +82,29 @@ def _without_video(cls: type) -> type:
 
 
 def build(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layers: int = 2,
-          num_heads: int = 2, config: dict | None = None) -> tuple[Any, Any]:
+          num_heads: int = 2, config: dict | None = None, device: str | None = None) -> tuple[Any, Any]:
     """``(model, processor)``: a randomly initialised ``architecture`` model (float32) whose language
     model is ``hidden_size`` wide and ``num_layers`` deep, and its processor around ``tokenizer`` (image
-    tokens added where it lacks them). ``config`` overrides top-level config fields."""
+    tokens added where it lacks them). ``config`` overrides top-level config fields; ``device = "meta"``
+    builds the model with no weights (shapes only)."""
+    import torch
+
+    model_cls, cfg, processor = parts(architecture, tokenizer, hidden_size=hidden_size, num_layers=num_layers,
+                                      num_heads=num_heads, config=config)
+    if device is not None:
+        with torch.device(device):
+            return model_cls(cfg), processor
+    return model_cls(cfg), processor
+
+
+def processor_for(architecture: str, tokenizer: Any) -> Any:
+    """The family's processor around ``tokenizer`` (image tokens added where it lacks them), no model."""
+    return parts(architecture, tokenizer)[2]
+
+
+def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layers: int = 2,
+          num_heads: int = 2, config: dict | None = None) -> tuple[type, Any, Any]:
+    """``(model class, config, processor)`` of a tiny ``architecture`` model (see :func:`build`)."""
     import transformers as T
 
     if tokenizer.pad_token is None:
@@ -171,4 +190,4 @@ def build(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
     else:
         raise ValueError(f"unknown vision architecture {architecture!r}; known: {', '.join(FAMILIES)}")
     tokenizer.chat_template = processor.chat_template  # template "native" renders with the processor's own
-    return model_cls(cfg), processor
+    return model_cls, cfg, processor

@@ -1,4 +1,5 @@
-"""Model loader ``hf``: a transformers causal LM from a local folder or a hub id."""
+"""Model loader ``hf``: a transformers causal LM from a local folder or a hub id; a vision-language model
+(an image-text-to-text config with a vision tower) from a local folder, with its processor."""
 
 from __future__ import annotations
 
@@ -131,8 +132,13 @@ class HFModelLoader(Component):
         return [f"{key}: no such folder: {local}, and the Hugging Face hub ({endpoint}) cannot be reached to "
                 f"fetch {repo!r} ({why}); download it where the hub is reachable, or name a local folder"]
 
+    def vision(self) -> bool:
+        """Whether ``path`` holds a vision-language model (loaded with its processor)."""
+        config, _ = _checks.read_config(Path(self.options.path)) if Path(self.options.path).is_dir() else (None, None)
+        return config is not None and _checks.is_vlm_config(config)
+
     def load(self, ctx):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         o = self.options
         tokenizer = self.load_tokenizer(ctx)
@@ -142,7 +148,8 @@ class HFModelLoader(Component):
         stored = self._stored_dtype(kwargs)
         if stored is not None:  # read in its own dtype, then raised tensor by tensor (see _upcast)
             kwargs["dtype"] = stored
-        model = self._load("path", AutoModelForCausalLM, o.path, ctx, **self._common(), **kwargs)
+        model_cls = AutoModelForImageTextToText if self.vision() else AutoModelForCausalLM
+        model = self._load("path", model_cls, o.path, ctx, **self._common(), **kwargs)
         if stored is not None:
             from ftcore_plugins.models._upcast import upcast
 
@@ -173,8 +180,20 @@ class HFModelLoader(Component):
         from transformers import AutoTokenizer
 
         o = self.options
-        tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path, ctx,
-                               **self._common())
+        processor = None
+        if self.vision():  # a VLM: its processor (image processor and tokenizer) from the folder
+            from transformers import AutoProcessor
+
+            from ftcore_plugins.common.vision import attach_processor
+
+            processor = self._load("tokenizer" if o.tokenizer else "path", AutoProcessor, o.tokenizer or o.path, ctx,
+                                   **self._common())
+            tokenizer = attach_processor(processor.tokenizer, processor)
+            if not getattr(tokenizer, "chat_template", None):
+                tokenizer.chat_template = getattr(processor, "chat_template", None)  # template "native" renders with it
+        else:
+            tokenizer = self._load("tokenizer" if o.tokenizer else "path", AutoTokenizer, o.tokenizer or o.path, ctx,
+                                   **self._common())
         if tokenizer.pad_token is None:
             # Labels are built from spans, not from the pad mask, so pad == eos is safe here.
             tokenizer.pad_token = tokenizer.eos_token

@@ -142,17 +142,16 @@ class ScratchModelLoader(Component):
         """A tiny vision-language model of the family (random init), its processor around the tokenizer."""
         import torch
 
-        from ftcore_plugins.common.vision import attach_processor
         from ftcore_plugins.models import _vlm
 
         o = self.options
         torch.manual_seed(ctx.seed)
-        model, processor = _vlm.build(o.architecture, tokenizer, hidden_size=o.hidden_size, num_layers=o.num_layers,
-                                      num_heads=o.num_heads, config=o.config)
+        model, _ = _vlm.build(o.architecture, tokenizer, hidden_size=o.hidden_size, num_layers=o.num_layers,
+                              num_heads=o.num_heads, config=o.config)
         n = sum(p.numel() for p in model.parameters())
         ctx.reporter.info(f"scratch model: {o.architecture} (vision-language), {o.num_layers} layers, hidden "
                           f"{o.hidden_size}, {n:,} parameters, vocabulary {len(tokenizer):,}")
-        return model, attach_processor(tokenizer, processor)
+        return model, tokenizer
 
     def load_tokenizer(self, ctx):
         """The tokenizer alone: the plan's folder, or trained on ``tokenizer_data`` (saved in the
@@ -172,6 +171,11 @@ class ScratchModelLoader(Component):
                     tokenizer.save_pretrained(saved)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
+        if o.architecture in VLM_FAMILIES:  # the family's processor around it (image tokens added)
+            from ftcore_plugins.common.vision import attach_processor
+            from ftcore_plugins.models import _vlm
+
+            tokenizer = attach_processor(tokenizer, _vlm.processor_for(o.architecture, tokenizer))
         return tokenizer
 
     def _train_tokenizer(self, ctx):
@@ -224,6 +228,16 @@ class ScratchModelLoader(Component):
         """For ``ftcore estimate``: the model on the meta device and its config."""
         from ftcore_plugins.common.estimate import scratch_meta_model
 
+        o = self.options
+        if o.architecture in VLM_FAMILIES:
+            from transformers import AutoTokenizer
+
+            from ftcore_plugins.models import _vlm
+
+            model, _ = _vlm.build(o.architecture, AutoTokenizer.from_pretrained(str(o.tokenizer)),
+                                  hidden_size=o.hidden_size, num_layers=o.num_layers, num_heads=o.num_heads,
+                                  config=o.config, device="meta")
+            return model, model.config
         return scratch_meta_model(self)
 
 

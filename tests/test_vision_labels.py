@@ -124,3 +124,21 @@ def test_labels_are_exactly_the_assistant_turns(family, images):
         assert got == expected, (family, kind, got, rendered)
         assert not image_ids & {label for label in labels if label != -100}, (family, kind)
         assert sum(t in image_ids for t in ids) >= len(row["images"])  # the images are in the input
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_batch_mixing_image_and_text_rows(family, images):
+    """Rows with and without images in one padded batch: each row's labels are its own assistant turn."""
+    from ftcore_plugins.common.vision import VisionEncoder
+
+    _, processor = built(family)
+    tokenizer = processor.tokenizer
+    closer = FAMILIES[family][2]
+    text_row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    batch = VisionEncoder(processor, native())([rows(images)["multi_image"], text_row])
+    assert batch["input_ids"].shape == batch["labels"].shape and batch["input_ids"].shape[0] == 2
+    for k, answer in enumerate(["Red, then blue.", "Hello there."]):
+        got = [tokenizer.decode(run, skip_special_tokens=False) for run in runs(batch["labels"][k].tolist())]
+        assert [g.removeprefix(" ") for g in got] == [answer + closer], (family, k, got)
+        padding = batch["attention_mask"][k] == 0
+        assert (batch["labels"][k][padding] == -100).all()

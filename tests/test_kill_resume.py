@@ -62,9 +62,29 @@ def _tensors(run):
     return {f"{f.relative_to(run).as_posix()}:{k}": v for f in files for k, v in load_file(f).items()}
 
 
+def _bench():
+    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "benchmarks" / "kill_resume.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.fixture(scope="module")
+def tokens_reference(tmp_path_factory):
+    """The uninterrupted run of :func:`_tokens_project`, once for both kills."""
+    import subprocess
+
+    folder = tmp_path_factory.mktemp("tokens-reference")
+    ref = subprocess.run([sys.executable, "-m", "ftcore", "run", str(_tokens_project(folder))], env=_bench().QUIET,
+                         capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return folder / "runs" / "tiny"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("when", ["after a checkpoint", "before a checkpoint"])
-def test_a_lora_stage_after_a_full_one_on_added_tokens_killed_and_resumed_is_the_same_run(tmp_path, when):
+def test_a_lora_stage_after_a_full_one_on_added_tokens_killed_and_resumed_is_the_same_run(tmp_path, when,
+                                                                                         tokens_reference):
     """SIGKILL during the LoRA stage, once after its first checkpoint is complete and once before it has
     any, then ``--resume``: every step's loss and every saved weight (the merged model with its four
     grown embedding rows, the adapter with peft's trainable rows of the added tokens, each stage's
@@ -77,15 +97,8 @@ def test_a_lora_stage_after_a_full_one_on_added_tokens_killed_and_resumed_is_the
 
     import torch
 
-    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "benchmarks" / "kill_resume.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-
-    reference = tmp_path / "reference" / "runs" / "tiny"
-    ref = subprocess.run([sys.executable, "-m", "ftcore", "run", str(_tokens_project(tmp_path / "reference"))],
-                         env=bench.QUIET, capture_output=True, text=True)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
+    bench = _bench()
+    reference = tokens_reference
     run = tmp_path / "killed" / "runs" / "tiny"
     checkpoints = run / "stages" / "lora" / "checkpoints"
 

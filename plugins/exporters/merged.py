@@ -19,6 +19,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.vision import processor_of
 from ftcore_plugins.exporters._card import card_path, write_card
 
 # Short user turns rendered with the plan's template: the verification inputs.
@@ -37,6 +38,19 @@ tokenizer = AutoTokenizer.from_pretrained("{path}")
 messages = [{{"role": "user", "content": "Hello!"}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 print(tokenizer.decode(model.generate(**inputs, max_new_tokens=64)[0]))
+"""
+
+
+VISION_USAGE = """
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+model = AutoModelForImageTextToText.from_pretrained("{path}")
+processor = AutoProcessor.from_pretrained("{path}")
+messages = [{{"role": "user", "content": [{{"type": "image"}}, {{"type": "text", "text": "What is this?"}}]}}]
+text = processor.apply_chat_template(messages, add_generation_prompt=True)
+inputs = processor(text=[text], images=[[Image.open("image.png")]], add_special_tokens=False, return_tensors="pt")
+print(processor.decode(model.generate(**inputs, max_new_tokens=64)[0]))
 """
 
 
@@ -60,8 +74,12 @@ class MergedExporter(Component):
         ctx.path.mkdir(parents=True, exist_ok=True)
         merged.save_pretrained(ctx.path)  # safetensors, config.json, generation_config.json
         ctx.tokenizer.save_pretrained(ctx.path)  # with the template as its chat_template
+        processor = processor_of(ctx.tokenizer)
+        if processor is not None:  # a vision-language model: its processor too (image processor, template)
+            processor.save_pretrained(ctx.path)
+        usage = (VISION_USAGE if processor is not None else USAGE).format(path=card_path(ctx))
         write_card(ctx.path, ctx, title="merged model", library="transformers", tags=["merged"],
-                   usage=USAGE.format(path=card_path(ctx)), verification=verification)
+                   usage=usage, verification=verification)
         return ctx.path
 
 

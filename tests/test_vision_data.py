@@ -179,3 +179,28 @@ def test_a_bad_image_through_the_cli_is_one_line_and_exit_2(tmp_path):
     lines_ = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines_) == 1 and "Traceback" not in done.stderr, done.stderr
     assert f"data/d.jsonl:1: image 1 (images[0]): {tmp_path / 'data' / 'missing.png'}: no such file" in lines_[0]
+
+
+def test_preference_pairs_with_images(tmp_path):
+    """LLaMA-Factory's DPO rows (ShareGPT conversations + chosen/rejected + images) and prompt pairs: the
+    images belong to the prompt."""
+    image_file(tmp_path, "a.png")
+    rows = [{"conversations": [{"from": "human", "value": "<image>Colour?"}], "chosen": {"from": "gpt", "value": "Red."},
+             "rejected": {"from": "gpt", "value": "Blue."}, "images": ["a.png"]},
+            {"conversations": [{"from": "human", "value": "Colour?"}], "chosen": {"from": "gpt", "value": "Red."},
+             "rejected": {"from": "gpt", "value": "Blue."}, "images": ["a.png"]}]
+    ds = load_data(tmp_path, source("jsonl", write(tmp_path, "d.jsonl", lines(*rows)))).ds
+    assert [r["prompt"][0]["content"] for r in ds] == [f"{IMAGE}Colour?"] * 2
+    assert ds[0]["images"] == [str(tmp_path / "data" / "a.png")] and ds[0]["chosen"][0]["content"] == "Red."
+    pair = {"prompt": "Colour?", "chosen": f"Red {IMAGE}", "rejected": "Blue.", "images": ["a.png"]}
+    assert error(tmp_path, source("jsonl", write(tmp_path, "p.jsonl", lines(pair)))) == \
+        "data.train: data/p.jsonl:1: 'chosen' holds <image>: a pair's images go in its prompt"
+
+
+def test_images_in_a_format_that_does_not_read_them_are_refused(tmp_path):
+    """Never dropped without a word: an Alpaca row with images is one line (not read yet)."""
+    image_file(tmp_path, "a.png")
+    row = {"instruction": "Colour?", "output": "Red.", "images": ["a.png"]}
+    assert error(tmp_path, source("jsonl", write(tmp_path, "d.jsonl", lines(row)))) == \
+        "data.train: data/d.jsonl:1: alpaca rows with images are not read yet: images are read in chat rows " \
+        "(messages, ShareGPT conversations) and preference pairs with a prompt"

@@ -222,3 +222,31 @@ def test_hf_loader_reads_a_vlm_folder_with_its_processor(tmp_path):
     loaded, tokenizer = loader.load(SimpleNamespace(quantizer=SimpleNamespace(load_kwargs=lambda: {}), run=None))
     assert type(loaded).__name__ == "LlavaForConditionalGeneration"
     assert type(processor_of(tokenizer)).__name__ == "LlavaProcessor" and tokenizer.chat_template
+
+
+def test_trainers_and_evaluators_that_do_not_take_images_say_so():
+    """dpo (and the other pair trainers) and the text tokenization (evaluators, pretrain) refuse rows with
+    images in one line, rather than train on their text alone."""
+    from types import SimpleNamespace
+
+    import datasets
+
+    from ftcore.errors import FtcoreError
+    from ftcore_plugins.common.chat import chosen_as_chat
+    from ftcore_plugins.common.prepare import prepare
+    from ftcore_plugins.trainers._preference import require_data
+
+    message = {"role": "user", "content": "<image>?"}
+    pairs = datasets.Dataset.from_list([{"prompt": [message], "chosen": [{"role": "assistant", "content": "Red."}],
+                                         "rejected": [{"role": "assistant", "content": "Blue."}],
+                                         "images": ["/x.png"]}])
+    with pytest.raises(FtcoreError) as info:
+        require_data(SimpleNamespace(train_data=pairs, eval_data=None, stage="dpo"), "dpo", ("pairs",))
+    assert str(info.value) == "stage dpo: trainer 'dpo' does not train on rows with images yet (its data has an " \
+        "'images' column); sft does (docs/vision.md)"
+    chat = chosen_as_chat(pairs)  # sft on pairs: the chosen conversation, with its images
+    assert sorted(chat.column_names) == ["images", "messages"] and chat[0]["images"] == ["/x.png"]
+    with pytest.raises(FtcoreError) as info:
+        prepare(chat, None, None, max_length=8, where="data.eval (eval.jsonl)")
+    assert str(info.value) == "data.eval (eval.jsonl): the rows hold images, which this stage or evaluator does " \
+        "not take yet (trainer sft does; docs/vision.md)"

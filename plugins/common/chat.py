@@ -58,7 +58,9 @@ def chosen_as_chat(data: Any, side: str = "chosen") -> Any:
     if data is None or not {"prompt", side} <= set(data.column_names) or \
             not isinstance(next(iter(data))["prompt"], list):
         return data
-    return data.map(lambda row: {"messages": row["prompt"] + row[side]}, remove_columns=data.column_names)
+    images = "images" in data.column_names  # a pair's images (its prompt's) stay with the conversation
+    return data.map(lambda row: {"messages": row["prompt"] + row[side], **({"images": row["images"]} if images else {})},
+                    remove_columns=data.column_names)
 
 
 def prompt_text(row: dict, tokenizer: Any, template: Any) -> str:

@@ -48,7 +48,7 @@ KINDS = ("chat", "completion", "preference", "unpaired_preference", "text")
 KIND_COLUMNS = {
     "chat": ("messages", "tools", "images"),
     "completion": ("prompt", "completion"),
-    "preference": ("prompt", "chosen", "rejected"),
+    "preference": ("prompt", "chosen", "rejected", "images"),
     "unpaired_preference": ("prompt", "completion", "label"),
     "text": ("text",),
 }
@@ -119,7 +119,8 @@ def _kind_of_value(value: Any) -> str:
 class _Ctx:
     """What the helpers need to write good messages: the row and the column mapping."""
 
-    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder", "part_tools", "images", "base")
+    __slots__ = ("row", "columns", "fmt", "explicit", "placeholders", "placeholder", "part_tools", "images", "base",
+                 "images_used")
 
     def __init__(self, row: Mapping, columns: Mapping[str, str], fmt: str, explicit: bool,
                  placeholders: str = "allow"):
@@ -129,6 +130,7 @@ class _Ctx:
         self.part_tools: str | None = None  # tool schemas given as a message's "tools" part (LLaMA-Factory v1)
         self.images: list[tuple[str, Any]] = []  # image content parts met, in order: (where, value)
         self.base: str | None = None  # the data file's folder: relative image paths are relative to it
+        self.images_used = False  # the row's format reads images (else a row that has some is refused)
 
     def text(self, value: str, field: str) -> str:
         """Message text, looked at for unfilled template placeholders (``placeholders`` option)."""
@@ -712,6 +714,7 @@ def _with_images(ctx: _Ctx, messages: list[dict]) -> tuple[list[dict], list[str]
     """A chat row's images (a top-level ``images`` list, or image content parts) as references, each
     checked (it exists, is not empty, decodes), and the messages with one placeholder per image
     (:func:`ftcore_plugins.common.images.placed`). ``(messages, None)`` for a row without images."""
+    ctx.images_used = True
     given = ctx.row.get("images")
     if given is None and not ctx.images:
         if "images" in ctx.row and any(_images.IMAGE in m["content"] for m in messages):
@@ -763,14 +766,23 @@ def _preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     prompt += _prompt(ctx.row.get("prompt"), "prompt", ctx, wheres)
     chosen, rejected = _pair(ctx, prompt, wheres)
     _distinct(chosen, rejected)
-    return "preference", {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return "preference", _pair_with_images(ctx, prompt, chosen, rejected)
 
 
 def _sharegpt_preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
     prompt, wheres = _conversation(ctx, "conversations", answer=False)
     chosen, rejected = _pair(ctx, prompt, wheres)
     _distinct(chosen, rejected)
-    return "preference", {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+    return "preference", _pair_with_images(ctx, prompt, chosen, rejected)
+
+
+def _pair_with_images(ctx: _Ctx, prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> dict:
+    """A preference pair's columns; its images (if any) belong to the prompt, placed as in chat rows."""
+    for field, answer in (("chosen", chosen), ("rejected", rejected)):
+        if (ctx.images or ctx.row.get("images")) and any(_images.IMAGE in m["content"] for m in answer):
+            raise RowError(f"{field!r} holds {_images.IMAGE}: a pair's images go in its prompt", "image_count", field)
+    prompt, images = _with_images(ctx, prompt)
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **({"images": images} if images else {})}
 
 
 def _implicit_preference(ctx: _Ctx, strings: bool) -> tuple[str, dict]:
@@ -912,6 +924,9 @@ def convert_found(row: Any, fmt: str = "auto", *, columns: Mapping[str, str] | N
     ctx = _Ctx(row, columns, fmt, explicit, placeholders)
     ctx.base = base
     kind, out = CONVERTERS[fmt](ctx, strings)
+    if not ctx.images_used and (ctx.images or ctx.row.get("images")):
+        raise RowError(f"{fmt} rows with images are not read yet: images are read in chat rows (messages, ShareGPT "
+                       "conversations) and preference pairs with a prompt", "unsupported_images", "images")
     found = None if ctx.placeholder is None else f"{ctx.placeholder[0]!r} holds {ctx.placeholder[1]!r}"
     return fmt, kind, out, found
 
@@ -995,7 +1010,8 @@ def features(kind: str, messages_keys: Iterable[str] = MESSAGE_KEYS) -> dict:
     return {
         "chat": {"messages": List(message), "tools": string, "images": List(string)},
         "completion": {"prompt": string, "completion": string},
-        "preference": {"prompt": List(message), "chosen": List(message), "rejected": List(message)},
+        "preference": {"prompt": List(message), "chosen": List(message), "rejected": List(message),
+                       "images": List(string)},
         "unpaired_preference": {"prompt": List(message), "completion": List(message), "label": Value("bool")},
         "text": {"text": string},
     }[kind]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ftcore.errors import FtcoreError
 from ftcore_plugins.common.cache import cache_dir
 from ftcore_plugins.common.memory import MappedPages
 
@@ -115,6 +116,7 @@ def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
             use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
     """The rows tokenized and masked (cached); what the template could not do for them is warned
     about once, with the counts (cached entries too): see :func:`template_notes`."""
+    refuse_images(rows, where)
     prepared = _prepare(rows, tokenizer, template, max_length=max_length, truncation=truncation,
                         train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text, reporter=reporter,
                         description=description, use_cache=use_cache, on_error=on_error, where=where)
@@ -201,6 +203,14 @@ def is_stream(rows: Any) -> bool:
     import datasets
 
     return isinstance(rows, datasets.IterableDataset)
+
+
+def refuse_images(rows: Any, where: str) -> None:
+    """Rows with images are made into batches by the vision path (common/vision.py); tokenized here as
+    text, their images would be dropped without a word: one line instead."""
+    if "images" in (getattr(rows, "column_names", None) or []):
+        raise FtcoreError(f"{where}: the rows hold images, which this stage or evaluator does not take yet (trainer "
+                          "sft does; docs/vision.md)")
 
 
 def stream_tokenized(rows: Any, tokenizer: Any, template: Any, **encoding: Any) -> Any:

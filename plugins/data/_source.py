@@ -707,7 +707,7 @@ def _prune(ds: Any, kind: str, num_proc: int | None) -> Any:
 
     if kind == "chat" and ds.data.column("tools").null_count == len(ds.data):
         ds = ds.remove_columns("tools")
-    if kind == "chat" and ds.data.column("images").null_count == len(ds.data):
+    if kind in ("chat", "preference") and ds.data.column("images").null_count == len(ds.data):
         ds = ds.remove_columns("images")
     cols = MESSAGE_COLUMNS_OF.get(kind, ())
     if not cols:

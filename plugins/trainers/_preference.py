@@ -67,6 +67,9 @@ def require_data(ctx: Any, trainer: str, accepts: tuple[str, ...]) -> str:
         if data is None:
             continue
         kind = kind_of_columns(data.column_names)
+        if "images" in data.column_names:
+            raise FtcoreError(f"stage {ctx.stage}: trainer '{trainer}' does not train on rows with images yet (its "
+                              f"{label} has an 'images' column); sft does (docs/vision.md)")
         if kind not in accepts:
             raise FtcoreError(f"stage {ctx.stage}: " + wrong_kind(
                 trainer, accepts, f"its {label} has the columns {', '.join(sorted(data.column_names))}"))

@@ -96,10 +96,10 @@ class SFT(TrainChecks, TrainerMemory, Component):
         ``input_ids`` and ``labels`` (-100 on tokens not trained on). A subclass may change
         ``ctx.train_data``/``ctx.eval_data`` (chat rows) and call this, or build the datasets itself."""
         o = self.options
+        ctx.train_data, ctx.eval_data = chosen_as_chat(ctx.train_data), chosen_as_chat(ctx.eval_data)
         if image_rows(ctx):
             train, evaluation, self.collator = vision_splits(ctx, o, self.name)
             return train, evaluation
-        ctx.train_data, ctx.eval_data = chosen_as_chat(ctx.train_data), chosen_as_chat(ctx.eval_data)
         columns = set(ctx.train_data.column_names)
         if "messages" not in columns and not {"prompt", "completion"} <= columns:
             raise FtcoreError(f"{data_origin(ctx, 'train')[0]}: trainer '{self.name}' (stage {ctx.stage}) needs "

@@ -147,10 +147,10 @@ def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
                          "<end_of_image>"])
         if tokenizer.bos_token is None:
             tokenizer.bos_token = "<bos>"
-        tokenizer.boi_token, tokenizer.eoi_token, tokenizer.image_token = \
-            "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-        for name in ("boi_token", "eoi_token", "image_token"):
-            setattr(tokenizer, f"{name}_id", tokenizer.convert_tokens_to_ids(getattr(tokenizer, name)))
+        # Named special tokens, as Gemma 3's tokenizer has them (saved in tokenizer_config.json, so a saved
+        # processor loads again)
+        tokenizer._set_model_specific_special_tokens(
+            {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"})
         image = T.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
         processor = T.Gemma3Processor(image_processor=image, tokenizer=tokenizer, image_seq_length=4,
                                       chat_template=_trl_template("gemma3"))

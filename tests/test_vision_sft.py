@@ -299,3 +299,37 @@ def test_image_rows_killed_and_resumed_is_the_same_run(tmp_path):
     assert sorted(reference) == list(range(1, 25)) and max(resumed) == 24
     for step in range(21, 25):  # after the last checkpoint the kill can have left (step 20)
         assert resumed[step] == pytest.approx(reference[step], rel=1e-4), (step, resumed, reference)
+
+
+def test_qlora_quantizes_the_language_model_and_keeps_the_vision_tower_in_compute_dtype(tmp_path, images):
+    """bnb-nf4 on a VLM folder: the language model's linear layers are 4-bit, the vision tower's and the
+    projector's stay float32, and LoRA on the 4-bit language model trains on image rows."""
+    from types import SimpleNamespace
+
+    import torch
+    from peft import get_peft_model
+
+    from ftcore_plugins.adapters.lora import LoraAdapter
+    from ftcore_plugins.common.vision import VisionEncoder, processor_of
+    from ftcore_plugins.models.hf import HFModelLoader
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
+    from test_vision_labels import rows
+
+    model, processor = built("llava")
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    quantizer = NF4Quantizer(NF4Quantizer.Options())
+    loader = HFModelLoader(HFModelLoader.Options(path=str(tmp_path / "vlm"), dtype="float32"))
+    loaded, tokenizer = loader.load(SimpleNamespace(quantizer=quantizer, run=None))
+    tower, projector = vision_parts_of(loaded)
+    kinds = {n: type(m).__name__ for n, m in loaded.named_modules() if type(m).__name__ in ("Linear4bit", "Linear")}
+    under = lambda n, roots: any(n.startswith(r + ".") for r in roots)  # noqa: E731
+    assert {k for n, k in kinds.items() if under(n, tower + projector)} == {"Linear"}
+    assert {k for n, k in kinds.items() if ".language_model." in n} == {"Linear4bit"}
+    loaded = quantizer.prepare(loaded)
+    peft_model = get_peft_model(loaded, LoraAdapter(LoraAdapter.Options(r=8, lora_alpha=16)).peft_config(
+        loaded, SimpleNamespace(reporter=SimpleNamespace(info=lambda *a, **k: None))))
+    batch = VisionEncoder(processor_of(tokenizer), native())(list(rows(images).values()))
+    loss = peft_model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in peft_model.parameters() if p.requires_grad)

@@ -22,6 +22,8 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.vision import vision_parts  # a VLM's tower and projector (re-exported)
+
 PRESETS = ("all-linear", "attention", "mlp")
 ATTENTION_WORDS = ("attn", "attention")
 MLP_WORDS = ("mlp", "feed_forward", "ffn", "moe", "experts")
@@ -75,24 +77,6 @@ def linear_modules(model: Any, *, with_head: bool = False) -> dict[str, Any]:
     """Every linear layer by path, in model order; the output head only when ``with_head``."""
     heads = set() if with_head else _head_paths(model)
     return {path: m for path, m in model.named_modules() if path and _is_linear(m) and path not in heads}
-
-
-# A vision-language model's vision tower and projector, by the names transformers gives them.
-TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
-PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger", "mm_projector", "vision_projection")
-
-
-def vision_parts(model: Any) -> tuple[list[str], list[str]]:
-    """``(tower, projector)``: the module paths of a vision-language model's vision tower (its projector
-    left out where it sits inside, as Qwen's ``visual.merger``) and of its projector; empty for a text model."""
-    tower, projector = [], []
-    for path, _ in model.named_modules():
-        name = path.rsplit(".", 1)[-1]
-        if name in PROJECTOR_NAMES and not any(path.startswith(p + ".") for p in projector):
-            projector.append(path)
-        elif name in TOWER_NAMES and not any(path.startswith(p + ".") for p in tower):
-            tower.append(path)
-    return tower, projector
 
 
 def _under(path: str, roots: list[str]) -> bool:

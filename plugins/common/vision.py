@@ -192,6 +192,40 @@ class VisionCollator:
         return self.encoder(rows, indices if all(i is not None for i in indices) else None)
 
 
+# A vision-language model's vision tower and projector, by the names transformers gives them.
+TOWER_NAMES = ("visual", "vision_tower", "vision_model", "vision_encoder", "image_encoder")
+PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger", "mm_projector", "vision_projection")
+
+
+def vision_parts(model: Any) -> tuple[list[str], list[str]]:
+    """``(tower, projector)``: the module paths of a vision-language model's vision tower (its projector
+    left out where it sits inside, as Qwen's ``visual.merger``) and of its projector; empty for a text model."""
+    tower, projector = [], []
+    for path, _ in model.named_modules():
+        name = path.rsplit(".", 1)[-1]
+        if name in PROJECTOR_NAMES and not any(path.startswith(p + ".") for p in projector):
+            projector.append(path)
+        elif name in TOWER_NAMES and not any(path.startswith(p + ".") for p in tower):
+            tower.append(path)
+    return tower, projector
+
+
+def keep_vision_unquantized(config: Any, model: Any) -> Any:
+    """A bitsandbytes config that leaves ``model``'s vision tower and projector (and what transformers
+    leaves anyway: the output head) in the compute dtype: QLoRA quantizes the language model only."""
+    import copy
+
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    tower, projector = vision_parts(model)
+    if not tower and not projector:
+        return config
+    config = copy.deepcopy(config)
+    config.llm_int8_skip_modules = list(dict.fromkeys([*(config.llm_int8_skip_modules or get_keys_to_not_convert(model)),
+                                                       *tower, *projector]))
+    return config
+
+
 def attach_processor(tokenizer: Any, processor: Any) -> Any:
     """Give ``tokenizer`` (what a loader returns) the processor around it; returns the tokenizer."""
     tokenizer.ftcore_processor = processor

@@ -148,6 +148,10 @@ class HFModelLoader(Component):
         stored = self._stored_dtype(kwargs)
         if stored is not None:  # read in its own dtype, then raised tensor by tensor (see _upcast)
             kwargs["dtype"] = stored
+        if self.vision() and kwargs.get("quantization_config") is not None:
+            from ftcore_plugins.common.vision import keep_vision_unquantized
+
+            kwargs["quantization_config"] = keep_vision_unquantized(kwargs["quantization_config"], self.meta_model()[0])
         model_cls = AutoModelForImageTextToText if self.vision() else AutoModelForCausalLM
         model = self._load("path", model_cls, o.path, ctx, **self._common(), **kwargs)
         if stored is not None:

@@ -86,9 +86,12 @@ def run_one(seed: int, arm: str, work: Path, tiny: bool) -> dict:
         return [t["content"] for t in json.loads((folder / "tokenizer.json").read_text())["added_tokens"]]
 
     trained = specials(run / "model" / "tokenizer")  # the loader's tokenizer, before the template
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    sft = [r["loss"] for r in records if r.get("stage") == "sft" and "loss" in r and r.get("step")]
     return {"seed": seed, "arm": arm, "exact_match": scores["exact_match"], "answers": len(answers),
             "stopped": sum(bool(re.fullmatch(r"the [a-z]+", a["prediction"].strip())) for a in answers),
             "added": [t for t in specials(run / "stages" / "sft" / "output") if t not in trained],
+            "sft_last_loss": sft[-1] if sft else None,  # the last logged SFT loss: was the end of turn learned?
             "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -128,6 +131,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {seed} | " + " | ".join(cells) + " |")
     print("| mean | " + " | ".join(f"{mean[arm]:.3f} | " for arm in arms) + "|")
     print("| std | " + " | ".join(f"{std[arm]:.3f} | " for arm in arms) + "|")
+    print()
+    for arm in arms:
+        losses = [r["sft_last_loss"] for r in results if r["arm"] == arm and r["sft_last_loss"] is not None]
+        if losses:
+            print(f"{arm}: last logged SFT loss {min(losses):.3f} to {max(losses):.3f} (mean "
+                  f"{statistics.mean(losses):.3f})")
     print()
     for arm in arms[1:]:
         print(f"{arm} - chatml, mean exact match over {len(seeds)} seed(s): {mean[arm] - mean['chatml']:+.3f}")

@@ -554,6 +554,9 @@ def test_new_tokens_tiny_mode(tmp_path):
     assert row[1:] == [c for a in arms for c in (f"{runs[a]['exact_match']:.2f}", f"{runs[a]['stopped']}/10")]
     assert mean[1::2] == [f"{measured['mean'][a]:.3f}" for a in arms]
     assert std[1::2] == ["0.000"] * 3  # one seed
+    for arm in arms:
+        loss = runs[arm]["sft_last_loss"]
+        assert loss is None or f"{arm}: last logged SFT loss {loss:.3f} to {loss:.3f} (mean {loss:.3f})" in out
     for arm in arms[1:]:
         diff = float(out.split(f"{arm} - chatml, mean exact match over 1 seed(s): ")[1].split()[0])
         assert diff == pytest.approx(measured["mean"][arm] - measured["mean"]["chatml"], abs=5e-4)

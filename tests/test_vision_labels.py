@@ -142,3 +142,57 @@ def test_a_batch_mixing_image_and_text_rows(family, images):
         assert [g.removeprefix(" ") for g in got] == [answer + closer], (family, k, got)
         padding = batch["attention_mask"][k] == 0
         assert (batch["labels"][k][padding] == -100).all()
+
+
+def test_a_jinja_file_renders_as_the_native_template(tmp_path, images):
+    """[template] use = "jinja" with the family's template in a file labels exactly as "native"."""
+    from ftcore_plugins.common.vision import VisionEncoder
+    from ftcore_plugins.templates.jinja import JinjaFileTemplate
+
+    _, processor = built("idefics3")
+    (tmp_path / "smolvlm.jinja").write_text(processor.chat_template)
+    jinja = JinjaFileTemplate(JinjaFileTemplate.Options(path=str(tmp_path / "smolvlm.jinja")))
+    row = rows(images)["multi_turn"]
+    native_batch, jinja_batch = VisionEncoder(processor, native())([row]), VisionEncoder(processor, jinja)([row])
+    assert native_batch["input_ids"].tolist() == jinja_batch["input_ids"].tolist()
+    assert native_batch["labels"].tolist() == jinja_batch["labels"].tolist()
+
+
+def test_a_template_that_renders_text_only_is_refused(images):
+    from ftcore.errors import FtcoreError
+    from ftcore_plugins.common.vision import VisionEncoder
+    from ftcore_plugins.templates.chatml import ChatMLTemplate
+
+    _, processor = built("qwen2_5_vl")
+    with pytest.raises(FtcoreError) as info:
+        VisionEncoder(processor, ChatMLTemplate(ChatMLTemplate.Options()))
+    assert str(info.value) == "template 'chatml' renders text only, and these rows hold images; use [template] use = " \
+        "\"native\" (the processor's chat template) or a \"jinja\" file that renders image parts"
+
+
+def test_max_length_cuts_the_response_never_an_image(images):
+    from ftcore.errors import FtcoreError
+    from ftcore_plugins.common.vision import VisionEncoder
+
+    _, processor = built("llava")
+    row = rows(images)["multi_turn"]
+    full = VisionEncoder(processor, native())([row])
+    n = full["input_ids"].shape[1]
+    cut = VisionEncoder(processor, native(), max_length=n - 3)([row])
+    assert cut["input_ids"].tolist()[0] == full["input_ids"].tolist()[0][:n - 3]
+    assert cut["labels"].tolist()[0] == full["labels"].tolist()[0][:n - 3]
+    with pytest.raises(FtcoreError) as info:
+        VisionEncoder(processor, native(), max_length=8, where="data.train (d.jsonl)")([row])
+    assert str(info.value) == f"data.train (d.jsonl), row 1: {n} tokens with its images, and max_length = 8 would cut " \
+        "into an image; raise max_length"
+
+
+def test_an_image_gone_since_the_data_was_read_names_the_row(tmp_path, images):
+    from ftcore.errors import FtcoreError
+    from ftcore_plugins.common.vision import VisionEncoder
+
+    _, processor = built("llava")
+    row = {**rows(images)["single"], "images": [str(tmp_path / "gone.png")]}
+    with pytest.raises(FtcoreError) as info:
+        VisionEncoder(processor, native(), where="data.train (d.jsonl)")([rows(images)["single"], row], [4, 5])
+    assert str(info.value) == f"data.train (d.jsonl), row 6: {tmp_path / 'gone.png'}: no such file"

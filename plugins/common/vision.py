@@ -33,6 +33,9 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
                  "<global-img>", "<|image_start|>", "<|image_end|>", "<|image_token|>")
 
 
+IMAGE_TEMPLATES = ("native", "jinja")  # templates that render image content parts (the model's own, a file)
+
+
 def as_parts(messages: list[dict]) -> list[dict]:
     """Messages whose text holds image placeholders -> content parts, as VLM chat templates read them:
     ``"<image>What is it?"`` -> ``[{"type": "image"}, {"type": "text", "text": "What is it?"}]``. Every
@@ -104,6 +107,10 @@ class VisionEncoder:
                  train_on_inputs: bool = False, where: str = "data"):
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
+        if getattr(template, "name", None) not in IMAGE_TEMPLATES:
+            raise FtcoreError(f"{template_title(template)} renders text only, and these rows hold images; use "
+                              "[template] use = \"native\" (the processor's chat template) or a \"jinja\" file that "
+                              "renders image parts")
         self.template = VisionTemplate(template)
         if samples_mode(template) == "per_turn":
             raise FtcoreError(f"{self.template.title}: samples = \"per_turn\" is not supported for rows with images "

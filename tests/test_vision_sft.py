@@ -152,6 +152,7 @@ def test_sft_plan_on_image_rows_then_the_merged_export_generates_from_an_image(t
     assert keys and all(".language_model." in k for k in keys), keys
 
     generates_from_an_image(run / "exports" / "merged", tmp_path / "data" / "red.png")
+    assert (run / "stages" / "sft" / "output" / "processor_config.json").is_file()  # the output has its processor
 
 
 def generates_from_an_image(folder: Path, image: Path) -> None:

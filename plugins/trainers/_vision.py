@@ -48,3 +48,11 @@ def vision_trl(collator: VisionCollator) -> tuple[dict[str, Any], dict[str, Any]
     """``(config, trainer kwargs)`` that make TRL's trainer take the rows as they are, through ``collator``."""
     return ({"remove_unused_columns": False, "dataset_kwargs": {"skip_prepare_dataset": True}},
             {"data_collator": collator, "processing_class": collator.encoder.processor})
+
+
+def save_processor(ctx: Any, collator: VisionCollator) -> None:
+    """The processor (image processor, chat template) in the stage's output, next to what the runner saves
+    there (the adapter or model, the tokenizer), so the output loads as a vision-language model."""
+    if getattr(getattr(ctx, "run", None), "is_main", True):
+        ctx.output.mkdir(parents=True, exist_ok=True)
+        collator.encoder.processor.save_pretrained(ctx.output)

@@ -23,7 +23,7 @@ from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_
 from ftcore_plugins.common.device_defaults import device_type, model_device
 from ftcore_plugins.trainers._packing import PACKED_PATHS, choose_path, path_problem, with_packed_attention
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
-from ftcore_plugins.trainers._vision import image_rows, vision_splits, vision_trl
+from ftcore_plugins.trainers._vision import image_rows, save_processor, vision_splits, vision_trl
 
 
 class SFTOptions(TrainOptions, LossOptions):
@@ -88,7 +88,10 @@ class SFT(TrainChecks, TrainerMemory, Component):
         if self.collator is not None:
             vision_config, extra = vision_trl(self.collator)
             config.update(vision_config)
-        return run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config, **extra)
+        metrics = run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config, **extra)
+        if self.collator is not None:
+            save_processor(ctx, self.collator)
+        return metrics
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:

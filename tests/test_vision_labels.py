@@ -1,4 +1,4 @@
-"""Assistant-only labels on rows with images, for five VLM families (issue #31, acceptance 1): tiny
+"""Assistant-only labels on rows with images, for six VLM families (issue #31, acceptance 1): tiny
 random-init models from configs, the real tokenizers in ../shared/fixtures/tokenizers (image tokens added
 where a tokenizer lacks them) and each family's chat template.
 
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.skipif(not TOKENIZERS.is_dir(), reason="../shared/fixtu
 FAMILIES = {
     "qwen2_5_vl": ("qwen25", "<|im_start|>assistant\n", "<|im_end|>",
                    ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")),
+    "qwen3_vl": ("qwen3", "<|im_start|>assistant\n", "<|im_end|>",
+                 ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")),
     "mllama": ("llama3", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>", ("<|image|>",)),
     "gemma3": ("qwen3", "<start_of_turn>model\n", "<end_of_turn>",
                ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),

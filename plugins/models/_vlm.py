@@ -28,7 +28,7 @@ LLAMA3_VISION = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
-FAMILIES = ("qwen2_5_vl", "mllama", "gemma3", "llava", "idefics3")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "llava", "idefics3")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Family:
 SPECS = {
     "qwen2_5_vl": Family("qwen2_5_vl", "<|image_pad|>", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
                                                           "<|video_pad|>", "<|vision_pad|>")),
+    "qwen3_vl": Family("qwen3_vl", "<|image_pad|>", ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>",
+                                                      "<|video_pad|>", "<|vision_pad|>")),
     "mllama": Family("mllama", "<|image|>", ("<|image|>",)),
     "gemma3": Family("gemma3", "<image_soft_token>", ("<start_of_image>", "<image_soft_token>", "<end_of_image>")),
     "llava": Family("llava", "<image>", ("<image>",)),
@@ -127,6 +129,25 @@ def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
             vision_start_token_id=ids("<|vision_start|>"), **(config or {}))
         model_cls = T.Qwen2_5_VLForConditionalGeneration
+    elif architecture == "qwen3_vl":
+        processor = _without_video(T.Qwen3VLProcessor)(
+            image_processor=T.Qwen2VLImageProcessorPil(min_pixels=64 * 64, max_pixels=64 * 64, patch_size=16,
+                                                       merge_size=2),
+            tokenizer=tokenizer, chat_template=_trl_template("qwen3_vl"))
+        ids = tokenizer.convert_tokens_to_ids
+        text = _text(tokenizer, hidden_size, num_layers, num_heads)
+        half = hidden_size // num_heads // 2
+        t, h = half // 4, (half - half // 4) // 2
+        text.update(head_dim=hidden_size // num_heads,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [t, h, half - t - h],
+                                     "mrope_interleaved": True})
+        cfg = T.Qwen3VLConfig(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
+                               patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"), **(config or {}))
+        model_cls = T.Qwen3VLForConditionalGeneration
     elif architecture == "mllama":
         _add(tokenizer, ["<|image|>"])
         image = T.MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=1)

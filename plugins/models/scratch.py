@@ -16,7 +16,7 @@ from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
-VLM_FAMILIES = ("qwen2_5_vl", "mllama", "gemma3", "llava", "idefics3")  # _vlm.FAMILIES, without importing it
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "llava", "idefics3")  # _vlm.FAMILIES, without importing it
 
 
 class ScratchModelLoader(Component):
@@ -26,7 +26,7 @@ class ScratchModelLoader(Component):
 
     class Options(Options):
         # a transformers model_type: llama, mistral, qwen2, qwen3, ...; or a vision-language family
-        # (qwen2_5_vl, mllama, gemma3, llava, idefics3: _vlm.FAMILIES), which needs `tokenizer`
+        # (qwen2_5_vl, qwen3_vl, mllama, gemma3, llava, idefics3: _vlm.FAMILIES), which needs `tokenizer`
         architecture: str = "llama"
         hidden_size: int = Field(64, ge=1, le=65536)
         num_layers: int = Field(2, ge=1, le=1024)

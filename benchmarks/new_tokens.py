@@ -14,6 +14,8 @@ evaluation). The arms:
 * ``chatml-new``: the same text, the same template, but the tokenizer is trained without those two
   tokens (``[model] special_tokens = []``), so the template adds them: the embedding grows, the two new
   rows are drawn by ``add_special_tokens`` and trained under LoRA as peft's trainable tokens.
+* ``chatml-trained``: the quickstart with ``train_template_tokens = true`` on its LoRA stage: chatml's
+  markers stay the tokenizer's own, and their rows train under LoRA as added tokens' rows do.
 * ``llama3``: another template whose four markers (``<|begin_of_text|>``, ``<|start_header_id|>``,
   ``<|end_header_id|>``, ``<|eot_id|>``) are all new to the tokenizer.
 
@@ -43,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from _bench import machine  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart"
-ARMS = ("chatml", "chatml-new", "llama3")
+ARMS = ("chatml", "chatml-new", "llama3", "chatml-trained")
 
 
 def plan_text(seed: int, arm: str, name: str, output: Path, tiny: bool) -> str:
@@ -53,8 +55,10 @@ def plan_text(seed: int, arm: str, name: str, output: Path, tiny: bool) -> str:
     edits = [(r'^seed = \d+', f"seed = {seed}"), (r'^name = "quickstart"', f'name = "{name}"'),
              (r'^output_dir = "runs".*$', f'output_dir = "{output.as_posix()}"'),
              (r'^use = "chatml"', f'use = "{"llama3" if arm == "llama3" else "chatml"}"')]
-    if arm != "chatml":
+    if arm in ("chatml-new", "llama3"):
         edits.append((r'^vocab_size = (\d+)', r'vocab_size = \1\nspecial_tokens = []'))
+    if arm == "chatml-trained":
+        edits.append((r'^adapter = \{ use = "lora", (.*) \}$', r'adapter = { use = "lora", \1, train_template_tokens = true }'))
     for old, new in edits:
         text, n = re.subn(old, new, text, count=1, flags=re.M)
         assert n == 1, old

@@ -6,7 +6,7 @@ import ftcore
 from ftcore.component import Component
 
 from ftcore_plugins.common.model import report_trainable
-from ftcore_plugins.common.tokens import ADDED_IDS, added_token_ids
+from ftcore_plugins.common.tokens import ADDED_IDS, TEMPLATE_IDS, added_token_ids, template_token_ids
 
 
 class FullAdapter(Component):
@@ -29,8 +29,9 @@ class FullAdapter(Component):
         model.generation_config = base.generation_config
         # The template's added tokens are the base's record, not the saved model's: without it a LoRA
         # stage after this one (a resumed run restores this stage) would leave their rows frozen.
-        if added_token_ids(base):
-            setattr(model, ADDED_IDS, added_token_ids(base))
+        for name, ids in ((ADDED_IDS, added_token_ids(base)), (TEMPLATE_IDS, template_token_ids(base))):
+            if ids:
+                setattr(model, name, ids)
         return model
 
     def merge(self, model):

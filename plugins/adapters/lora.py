@@ -47,7 +47,9 @@ class PeftAdapter(Component):
         adapter's name and options, never the plan's seed itself. The ``scratch`` loader initialises
         the weights from the plan's seed, and LoRA's A matrices drawn from that same stream come out
         correlated with them (about -0.36 with the embeddings), which measurably slowed training."""
-        key = f"{plan_seed}:adapter:{self.name}:{self.options.model_dump_json()}".encode()
+        # train_template_tokens left out while off, so that adding it changed no run's initialisation.
+        unset = {"train_template_tokens"} if not getattr(self.options, "train_template_tokens", True) else None
+        key = f"{plan_seed}:adapter:{self.name}:{self.options.model_dump_json(exclude=unset)}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**63
 
     def check(self, plan) -> list[str]:
@@ -62,7 +64,8 @@ class PeftAdapter(Component):
         from peft import get_peft_model
 
         # A template's added tokens (an end-of-turn marker) get their embedding rows trained too.
-        config = train_added_tokens(self.peft_config(model, ctx), model, self.name)
+        config = train_added_tokens(self.peft_config(model, ctx), model, self.name,
+                                    template_tokens=getattr(self.options, "train_template_tokens", False))
         # The adapter's random initialisation is seeded by the plan, whatever ran before it: a resumed
         # run, which restores earlier stages instead of training them, starts this one the same.
         with torch.random.fork_rng():
@@ -103,6 +106,11 @@ class LoraCommonOptions(Options):
     # train the projector (between tower and language model) whole. Both are frozen otherwise.
     vision_tower: bool = False
     train_projector: bool = False
+    # Also train the rows of the chat template's tokens that the tokenizer had already (peft's trainable
+    # tokens, as for tokens the template adds): for markers no data has trained, such as a base model's
+    # chat tokens or a scratch tokenizer's; on the quickstart, chatml's end-of-turn is otherwise never
+    # learned under LoRA (benchmarks/RESULTS.md, new-token templates against chatml).
+    train_template_tokens: bool = False
 
 
 class LoraOptions(LoraCommonOptions):

@@ -29,6 +29,7 @@ from typing import Any
 from ftcore.errors import FtcoreError
 
 ADDED_IDS = "ftcore_added_token_ids"  # attribute on the model: the ids add_special_tokens added
+TEMPLATE_IDS = "ftcore_template_token_ids"  # attribute on the model: the template's tokens it had already
 NOISE = 1.0  # new rows: the existing rows' mean plus this share of their per-dimension spread
 
 
@@ -48,6 +49,9 @@ def add_special_tokens(model: Any, tokenizer: Any, tokens: list[str] | tuple[str
         if not getattr(tokenizer, key, None):
             tokenizer.add_special_tokens({key: token})
     vocab = tokenizer.get_vocab()
+    had = {vocab[t] for t in tokens if t in vocab}
+    if had:  # trained under LoRA on request (train_added_tokens' template_tokens)
+        setattr(model, TEMPLATE_IDS, sorted({*template_token_ids(model), *had}))
     missing = [t for t in dict.fromkeys(tokens) if t not in vocab]
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
@@ -98,11 +102,24 @@ def added_token_ids(model: Any) -> list[int]:
         return []
 
 
-def train_added_tokens(config: Any, model: Any, adapter: str) -> Any:
+def template_token_ids(model: Any) -> list[int]:
+    """The ids of the template's tokens that the tokenizer had before :func:`add_special_tokens` ran."""
+    try:
+        return list(getattr(model, TEMPLATE_IDS, None) or [])
+    except AttributeError:
+        return []
+
+
+def train_added_tokens(config: Any, model: Any, adapter: str, template_tokens: bool = False) -> Any:
     """Have a peft ``config`` train the embedding rows of the tokens a template added (peft's
     ``trainable_token_indices``: only those rows train, and they are saved with the adapter).
-    An adapter whose peft method cannot is an error saying what to use instead."""
+    An adapter whose peft method cannot is an error saying what to use instead. With
+    ``template_tokens``, also the rows of the template's tokens the tokenizer had already: a tokenizer
+    can carry markers no training has touched (a scratch tokenizer's, a base model's chat tokens),
+    and frozen under LoRA such an end-of-turn row is never learned (benchmarks/new_tokens.py)."""
     ids = added_token_ids(model)
+    if template_tokens and hasattr(config, "trainable_token_indices"):
+        ids = sorted({*ids, *template_token_ids(model)})
     if not ids:
         return config
     if not hasattr(config, "trainable_token_indices"):

@@ -44,7 +44,7 @@ tags = {{ team = "nlp" }}
 """
 
 
-def test_a_registered_model_reads_back_and_loads(tiny_project):
+def test_a_registered_model_reads_back_and_loads(tiny_project, monkeypatch):
     import mlflow
     import torch
     from mlflow import MlflowClient
@@ -83,6 +83,8 @@ def test_a_registered_model_reads_back_and_loads(tiny_project):
 
     # The artifact, fetched through the registry alone, is a transformers model: the merged export's logits.
     mlflow.set_registry_uri(uri)  # models:/ URIs resolve in the registry
+    # and the tracking store too: MLflow's default one is ./mlflow.db, in the working tree
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     local = download_artifacts(artifact_uri="models:/tiny-chat@candidate", dst_path=str(tiny_project.dir / "dl"))
     model = AutoModelForCausalLM.from_pretrained(local).eval()
     tokenizer = AutoTokenizer.from_pretrained(local)
@@ -99,6 +101,7 @@ def test_a_registered_model_reads_back_and_loads(tiny_project):
     with torch.no_grad():
         assert torch.allclose(peft_model(ids).logits, exported(ids).logits, atol=1e-4)
 
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the second run finds the store by itself
     # A second run registers version 3 of the same model in the same store, and moves the alias.
     second = tiny_project(STAGES.replace("epochs = 1", "epochs = 2")
                           + REGISTRY.format(name="registry", source="merged", alias="candidate"), name="second.toml")

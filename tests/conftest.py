@@ -181,3 +181,32 @@ def quickstart_run(tmp_path_factory):
     result = run_cli("run", str(project / "plan.toml"), timeout=3600)  # ~45 s idle, over 10 min on a busy machine
     assert result.returncode == 0, result.stderr[-3000:]
     return project / "runs" / "quickstart"
+
+
+# -- the working tree stays as it was -------------------------------------------------------------------
+# Every test writes under tmp_path or a run folder. The controlling process compares the repository's
+# untracked and ignored files before and after the session, so a test, example or benchmark that leaves a
+# file beside the code (an ./mlflow.db from MLflow's default store, say) fails the suite, naming it.
+
+def _tree_files() -> set[str] | None:
+    if not (ROOT / ".git").exists():
+        return None  # not a git checkout (an sdist): nothing to compare
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all", "--ignored"], cwd=ROOT,
+                         capture_output=True, text=True).stdout
+    paths = {line[3:] for line in out.splitlines() if line[:2] in ("??", "!!")}
+    return {p for p in paths if "__pycache__" not in p and ".egg-info/" not in p
+            and not p.startswith((".venv/", ".pytest_cache/", ".ci/venv/"))}
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller, or a run without xdist
+        session.config._ftcore_tree = _tree_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_ftcore_tree", None)
+    after = _tree_files() if before is not None else None
+    left = sorted(after - before) if after is not None else []
+    if left:
+        sys.stderr.write("\nthe suite left files in the working tree: " + ", ".join(left[:20]) + "\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -44,13 +44,17 @@ def test_lora_trains_the_template_tokens_the_tokenizer_had_only_on_request(tmp_p
     assert moved == sorted(ids)
 
 
-def test_the_option_leaves_the_adapters_initialisation_as_it_was_while_off(tmp_path):
-    """Added while runs already existed: off, it is not part of the seed of LoRA's random A matrices."""
-    from ftcore_plugins.adapters.lora import LoraAdapter
-
-    plain = LoraAdapter(LoraAdapter.Options(r=4))
-    key = f"7:adapter:lora:{plain.options.model_dump_json(exclude={'train_template_tokens'})}".encode()
+def test_options_added_later_leave_the_adapters_initialisation_as_it_was_while_off():
+    """vision_tower, train_projector (while off) and train_template_tokens are not part of the seed of
+    LoRA's random A matrices: a plan that does not use them initialises as it did before they existed
+    (the seed is the one of the options' JSON without them), and train_template_tokens never moves it."""
     import hashlib
 
-    assert plain.init_seed(7) == int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**63
-    assert LoraAdapter(LoraAdapter.Options(r=4, train_template_tokens=True)).init_seed(7) != plain.init_seed(7)
+    from ftcore_plugins.adapters.lora import LoraAdapter
+
+    before = '{"r":16,"lora_alpha":32,"lora_dropout":0.0,"target_modules":"all-linear","bias":"none",' \
+             '"modules_to_save":null,"use_rslora":false}'  # LoraOptions' JSON before those options came
+    seed = int.from_bytes(hashlib.sha256(f"42:adapter:lora:{before}".encode()).digest()[:8], "big") % 2**63
+    assert LoraAdapter(LoraAdapter.Options(r=16, lora_alpha=32)).init_seed(42) == seed
+    assert LoraAdapter(LoraAdapter.Options(r=16, lora_alpha=32, train_template_tokens=True)).init_seed(42) == seed
+    assert LoraAdapter(LoraAdapter.Options(r=16, lora_alpha=32, vision_tower=True)).init_seed(42) != seed

@@ -140,6 +140,18 @@ def register_plan_sections(register: Register) -> None:
 
 
 @hookspec
+def ftcore_preflight(plan: Any) -> list[str]:
+    """Called by ``ftcore run`` before the run folder is made or a weight is read, after the model
+    loader's own ``preflight(plan)``: checks of what the model's shapes decide (the built-in one
+    checks each ``max_length`` against the model's context and each stage's adapter on the meta
+    device). Return problems as ``"key: message"``, the key from the plan's top (``stage[0].max_length``);
+    ``ftcore run`` reports them all, one line each, and exits 2.
+
+    :param plan: the validated :class:`ftcore.plan.Plan` about to run.
+    """
+
+
+@hookspec
 def ftcore_run_start(run: Any) -> None:
     """Called once a run directory is ready, before any model is loaded.
 

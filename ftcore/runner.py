@@ -130,9 +130,9 @@ class Runner:
         read. First the loader's own ``preflight()``, if it has one: what its files and config say (a
         folder that holds no model, a truncated weights file, an unknown architecture, heads that do not
         divide the width), as problems like ``check()``'s (``"path: ..."``, under the loader's key). Then
-        each ``max_length`` against the model's context, and each stage's adapter applied to the model on
-        the meta device (its target modules, its options). A loader without ``meta_model()``, or one that
-        cannot build it here (a hub id not yet downloaded), skips these; loading reports it then."""
+        the plugins' ``ftcore_preflight(plan)``: the built-in one (``ftcore_plugins.models.preflight``)
+        checks each ``max_length`` against the model's context and applies each stage's adapter to the
+        model on the meta device."""
         loader = self.plan.model.create()
         preflight = getattr(loader, "preflight", None)
         if preflight is not None:
@@ -140,49 +140,17 @@ class Runner:
                 messages = preflight(self.plan)
             if messages:
                 raise PlanError([self.plan.problem(*_subkey(self.plan.model.key, m)) for m in messages])
-        if not hasattr(loader, "meta_model"):
-            return
-        try:
-            model, config = loader.meta_model()
-        except Exception as exc:  # noqa: BLE001 - the real load says it better
-            log.debug("preflight skipped: %s", exc)
-            return
         problems = []
-        config = getattr(config, "text_config", None) or config  # a multimodal model's language part
-        context = getattr(config, "max_position_embeddings", None)
-        sections = [*((s.trainer, s.trainer.key) for s in self.plan.stages),
-                    *((e.evaluator, e.evaluator.key) for e in self.plan.evaluations)]
-        for sel, key in sections:
-            length = getattr(sel.options, "max_length", None)
-            # A default is a cap the rows rarely reach; a value the plan sets is a promise to use it.
-            if isinstance(context, int) and isinstance(length, int) and length > context \
-                    and "max_length" in sel.options.model_fields_set:
-                problems.append(self.plan.problem(f"{key}.max_length", f"{length} is longer than the model's context "
-                                                  f"of {context} tokens (max_position_embeddings); use at most {context}"))
-        silent = AdapterContext(self.info, Reporter(None, None, None, None), self.quantizer)
-        prepare_meta = getattr(self.quantizer, "prepare_meta", None)
-        tried: list[Any] = []
-        for stage in self.plan.stages:
-            if not stage.trains_policy or any(stage.adapter.reg is r and stage.adapter.options == o for r, o in tried):
-                continue
-            tried.append((stage.adapter.reg, stage.adapter.options))
-            adapter = stage.adapter.create()
-            apply = getattr(adapter, "apply_meta", None) or adapter.apply
+        for impl in reversed(self.pm.hook.ftcore_preflight.get_hookimpls()):  # registration order
             try:
-                fresh, _ = loader.meta_model()
-                if prepare_meta is not None:
-                    fresh = prepare_meta(fresh)
-                apply(fresh, silent)
-            except FtcoreError as exc:
-                message = str(exc)
-                field = re.match(r"adapter (\w+): ", message)  # "adapter target_modules: 'x' matches no module"
-                if field and field.group(1) not in type(stage.adapter.options).model_fields:
-                    field = None  # "adapter freeze: ...": the adapter's name, not one of its options
-                # Where the plan writes it: "stage[1].adapter", or "adapter" for the top-level [adapter].
-                key = stage.adapter.key + (f".{field.group(1)}" if field else "")
-                problems.append(self.plan.problem(key, message[field.end():] if field else message))
-            except Exception as exc:  # noqa: BLE001 - not decidable on meta tensors; the real apply decides
-                log.debug("preflight: adapter %s on the meta model: %s", stage.adapter.name, exc)
+                found = impl.function(plan=self.plan) or []
+            except (FtcoreError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # a plugin's bug, named as such
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise ComponentError(f"plugin '{impl.plugin_name}' failed in ftcore_preflight: "
+                                     f"{type(exc).__name__}: {first}") from exc
+            problems += [self.plan.problem(*_subkey("", m)) for m in found]
         if problems:
             raise PlanError(problems)
 
@@ -756,7 +724,7 @@ def _subkey(key: str, message: str) -> tuple[str, str]:
     """A component's problem as ``check()`` words it (``"path: ..."``, or a message for the component's
     whole section) and the plan key it is under: ``("model.path", "...")``."""
     sub = _SUBKEY.match(message)
-    return (f"{key}.{sub.group(1)}", message[sub.end():]) if sub else (key, message)
+    return (f"{key}.{sub.group(1)}" if key else sub.group(1), message[sub.end():]) if sub else (key, message)
 
 
 def _needs_model(export: Any) -> bool:

@@ -12,6 +12,7 @@ methods, so listing plugins stays fast.
 COMPONENTS = (
     "ftcore_plugins.models.hf",
     "ftcore_plugins.models.scratch",
+    "ftcore_plugins.models.preflight",
     "ftcore_plugins.data.jsonl",
     "ftcore_plugins.data.json",
     "ftcore_plugins.data.csv",

@@ -59,6 +59,8 @@ def test_every_builtin_plugin_registers_something_and_is_a_module_per_component(
         for reg in regs:
             if reg.plugin in BUILTIN_PLUGINS:
                 by_plugin[reg.plugin] = by_plugin.get(reg.plugin, 0) + 1
+    for impl in pm.hook.ftcore_preflight.get_hookimpls():  # or the pre-flight checks of a run (models/)
+        by_plugin[impl.plugin_name] = by_plugin.get(impl.plugin_name, 0) + 1
     assert by_plugin == {name: 1 for name in BUILTIN_PLUGINS}
 
 

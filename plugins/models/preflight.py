@@ -1,0 +1,66 @@
+"""The pre-flight checks of ``ftcore run`` on the model's shapes (the ``ftcore_preflight`` hook): before the
+run folder is made or a weight is read, each ``max_length`` the plan sets against the model's context,
+and each stage's adapter applied to the model on the meta device (its target modules, its options). A
+loader without ``meta_model()``, or one that cannot build it here (a hub id not yet downloaded), skips
+them; loading reports it then. The loader's own ``preflight(plan)`` (its files) runs before."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import ftcore
+from ftcore.context import AdapterContext, RunInfo
+from ftcore.errors import FtcoreError
+from ftcore.reporter import Reporter
+
+log = logging.getLogger("ftcore")
+
+
+@ftcore.hookimpl
+def ftcore_preflight(plan: Any) -> list[str]:
+    loader = plan.model.create()
+    if not hasattr(loader, "meta_model"):
+        return []
+    try:
+        model, config = loader.meta_model()
+    except Exception as exc:  # noqa: BLE001 - the real load says it better
+        log.debug("preflight skipped: %s", exc)
+        return []
+    problems = []
+    config = getattr(config, "text_config", None) or config  # a multimodal model's language part
+    context = getattr(config, "max_position_embeddings", None)
+    for sel in [*(s.trainer for s in plan.stages), *(e.evaluator for e in plan.evaluations)]:
+        length = getattr(sel.options, "max_length", None)
+        # A default is a cap the rows rarely reach; a value the plan sets is a promise to use it.
+        if isinstance(context, int) and isinstance(length, int) and length > context \
+                and "max_length" in sel.options.model_fields_set:
+            problems.append(f"{sel.key}.max_length: {length} is longer than the model's context of {context} "
+                            f"tokens (max_position_embeddings); use at most {context}")
+    quantizer = plan.quantizer.create()
+    silent = AdapterContext(RunInfo(plan, plan.run_dir), Reporter(None, None, None, None), quantizer)
+    prepare_meta = getattr(quantizer, "prepare_meta", None)
+    tried: list[Any] = []
+    for stage in plan.stages:
+        if not stage.trains_policy or any(stage.adapter.reg is r and stage.adapter.options == o for r, o in tried):
+            continue
+        tried.append((stage.adapter.reg, stage.adapter.options))
+        adapter = stage.adapter.create()
+        apply = getattr(adapter, "apply_meta", None) or adapter.apply
+        try:
+            fresh, _ = loader.meta_model()
+            if prepare_meta is not None:
+                fresh = prepare_meta(fresh)
+            apply(fresh, silent)
+        except FtcoreError as exc:
+            message = str(exc)
+            field = re.match(r"adapter (\w+): ", message)  # "adapter target_modules: 'x' matches no module"
+            if field and field.group(1) not in type(stage.adapter.options).model_fields:
+                field = None  # "adapter freeze: ...": the adapter's name, not one of its options
+            # Where the plan writes it: "stage[1].adapter", or "adapter" for the top-level [adapter].
+            key = stage.adapter.key + (f".{field.group(1)}" if field else "")
+            problems.append(f"{key}: {message[field.end():] if field else message}")
+        except Exception as exc:  # noqa: BLE001 - not decidable on meta tensors; the real apply decides
+            log.debug("preflight: adapter %s on the meta model: %s", stage.adapter.name, exc)
+    return problems

@@ -136,15 +136,17 @@ def test_a_few_steps_on_image_rows_lower_the_loss_with_the_vision_tower_frozen(f
 
 
 def test_sft_plan_on_image_rows_then_the_merged_export_generates_from_an_image(tmp_path):
-    """`ftcore run` on a LLaVA plan: the loss falls, the saved adapter is the language model's, and the merged
+    """`ftcore run` on a LLaVA plan: the loss and the eval loss fall, the saved adapter is the language model's, and the merged
     export (model and processor) loads in plain transformers and generates from an image."""
     write_data(tmp_path)
-    plan = write_plan(tmp_path, "llava", '\n[[export]]\nuse = "merged"\n')
+    plan = write_plan(tmp_path, "llava", 'eval_data = "train"\neval_steps = 3\n\n[[export]]\nuse = "merged"\n')
     done = run_cli("run", str(plan), cwd=tmp_path, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "runs" / "plan"
     seen = losses(run)
     assert len(seen) == 6 and seen[-1] < seen[0] - 0.05, seen
+    evals = [r["eval_loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
+    assert len(evals) >= 2 and evals[-1] < evals[0], evals  # eval rows with images, through the same collator
     from safetensors import safe_open
 
     with safe_open(run / "stages" / "sft" / "output" / "adapter_model.safetensors", "pt") as f:

@@ -15,6 +15,8 @@ can learn. Adding them is four steps that are easy to get half right:
    records the new ids on the model, and every peft adapter passes them to peft as
    ``trainable_token_indices`` (:func:`train_added_tokens`), which trains just those rows, ties an
    output head that shares the embedding, saves them with the adapter and merges them on export;
+   a LoRA stage with ``train_template_tokens`` trains the rows of the template's tokens the
+   tokenizer had already too (markers no data trained stay frozen otherwise);
 4. make generation stop at the end-of-turn token (``eos_token_id`` of the model's config and
    generation config) and ship the chat template with the tokenizer, so exports render prompts
    as training did.

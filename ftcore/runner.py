@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import re
@@ -45,15 +44,9 @@ class StepTime:
 
 
 class Runner:
-    def __init__(self, plan: Plan, pm: PluginManager, console: Any, *, resume: bool = False, force: bool = False,
-                 shared_stages: dict[str, Path] | None = None, models: Any = None):
-        """``shared_stages``: finished stage folders from another run of the same stages (a sweep's shared
-        run), linked into this run's folder so they count as done here; ``models``: a cache that keeps
-        the base and restored stage models across the runs of one process, ``models.get(key, build)``
-        (``ftcore sweep``'s ``ModelCache``)."""
+    def __init__(self, plan: Plan, pm: PluginManager, console: Any, *, resume: bool = False, force: bool = False):
         self.plan = plan
-        self.shared_stages = shared_stages or {}
-        self.models = models
+        self.keeps_models = True  # False while a model is built that no later run may reuse (see _kept)
         self.pm = pm
         self.resume = resume
         self.force = force
@@ -90,7 +83,6 @@ class Runner:
         for section in self.plan.sections.values():
             decide = functools.partial(section.on_main, decide)
         note = decide()
-        self._link_shared_stages()
         handler = self._log_to_file()
         self.reporter = Reporter(self.console, self.run_dir / "metrics.jsonl" if self.info.is_main else None,
                                  self.pm if self.info.is_main else None, self.info)
@@ -200,21 +192,11 @@ class Runner:
         self._check_exports_free()
         return rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
 
-    def _link_shared_stages(self) -> None:
-        for name, folder in self.shared_stages.items():
-            link = self.stage_dir(next(s for s in self.plan.stages if s.name == name))
-            if not (link.exists() or link.is_symlink()):
-                link.parent.mkdir(parents=True, exist_ok=True)
-                # Relative, so the folder holding both runs can move.
-                link.symlink_to(os.path.relpath(folder, link.parent), target_is_directory=True)
-
     def _kept(self, key: list[Any], build: Any) -> tuple[Any, Any]:
-        """``build()``, or a copy of what it built in an earlier run of this process (``models``). The
-        quantizer in use is part of the key, to be safe: a model loaded through another one differs."""
-        if self.models is None:
-            return build()
-        key = [*key, type(self.quantizer).__qualname__, self.quantizer.options.model_dump(mode="json")]
-        return self.models.get(json.dumps(key, sort_keys=True, default=str), build)
+        """``build()`` the base model (``key[0] == "base"``) or a finished stage's (``"stage"``, its name,
+        folder and finish time). A runner that keeps models across the runs of one process, ``ftcore
+        sweep``'s, returns a copy of what an earlier run built, while ``keeps_models`` holds."""
+        return build()
 
     def _steps(self) -> None:
         plan = self.plan
@@ -347,9 +329,8 @@ class Runner:
                 model = stage.adapter.create().restore(model, folder, self.adapter_context())
             return model, state.tokenizer
 
-        # Only stages every run of this process shares are kept; a run's own would pile up, one per run.
-        model, tokenizer = self._kept(["stage", str(folder.resolve()), marker.get("finished_at")], restore) \
-            if stage.name in self.shared_stages and output is None else restore()
+        model, tokenizer = self._kept(["stage", stage.name, str(folder.resolve()), marker.get("finished_at")],
+                                      restore) if output is None else restore()
         self.reporter.info(f"stage [bold]{stage.name}[/] is complete: restored its output")
         return ModelState(model, tokenizer, stage.adapter, started)
 
@@ -533,9 +514,9 @@ class Runner:
     def _full_precision_base(self, state: ModelState) -> Any:
         """The model ``state``'s adapter was applied to, rebuilt with the quantizer skipped."""
         none = self.pm.registry().resolve("quantizer", "none").cls
-        quantizer, cached, models = self.quantizer, self._base, self.models
+        quantizer, cached = self.quantizer, self._base
         # Built for this export alone: not kept across a sweep's runs (a full-precision copy per process).
-        self.quantizer, self._base, self.models = none(none.Options()), None, None
+        self.quantizer, self._base, self.keeps_models = none(none.Options()), None, False
         try:
             under = self._materialize(state.adapter_from - 1)
             model = under.model
@@ -544,7 +525,7 @@ class Runner:
                     model = under.adapter.create().merge(model)
             return model
         finally:
-            self.quantizer, self._base, self.models = quantizer, cached, models
+            self.quantizer, self._base, self.keeps_models = quantizer, cached, True
 
     def _provenance(self) -> dict[str, Any]:
         manifest = rundir.read_json(self.run_dir / rundir.MANIFEST) or {}

@@ -95,6 +95,8 @@ class Sweeper:
         self.plan, self.pm, self.console, self.shown, self.resume = plan, pm, console, shown, resume
         self.spec = plan.sweep
         self.folder = plan.run_dir
+        from ftcore_plugins.commands._sweep_runner import ModelCache
+
         self.models = ModelCache() if self.spec.share_stages else None
         stages = plan.stages
         self.shared = stages[:self.spec.first_searched_stage(len(stages))] if self.spec.share_stages else []
@@ -226,7 +228,7 @@ class Sweeper:
             for number in self.requeue_interrupted(study):
                 self.say(f"trial {number} was interrupted: it runs again from its last checkpoint")
         if self.shared:
-            from ftcore.runner import Runner
+            from ftcore_plugins.commands._sweep_runner import SweepRunner
 
             raw = self.trial_raw({}, "shared", self.folder)
             raw["stage"] = raw["stage"][:len(self.shared)]
@@ -235,7 +237,8 @@ class Sweeper:
             plan = check_plan(raw, self.plan.path, self.pm.registry(), shown=f"{self.shown} [shared stages]")
             self.say(f"shared stages ({', '.join(s.name for s in self.shared)}): trained once, in {self.folder / 'shared'}")
             t0 = time.perf_counter()
-            Runner(plan, self.pm, self.console, resume=(self.folder / "shared").exists(), models=self.models).run()
+            SweepRunner(plan, self.pm, self.console, resume=(self.folder / "shared").exists(),
+                        models=self.models).run()
             self.seconds["shared"] += time.perf_counter() - t0
         failures = 0
         while self.finished(study) < self.spec.trials:
@@ -291,7 +294,8 @@ class Sweeper:
     def objective(self, trial: Any) -> float:
         from ftcore import memory
         from ftcore.plan import check_plan
-        from ftcore.runner import Runner
+
+        from ftcore_plugins.commands._sweep_runner import SweepRunner
 
         spec = self.spec
         values = {p.keys: suggest(trial, p) for p in spec.space}
@@ -310,8 +314,8 @@ class Sweeper:
         shared = {s.name: self.folder / "shared" / "stages" / s.name for s in self.shared}
         t0 = time.perf_counter()
         try:
-            summary = Runner(plan, self.pm, self.console, resume=continues is not None, shared_stages=shared,
-                             models=self.models).run()
+            summary = SweepRunner(plan, self.pm, self.console, resume=continues is not None, shared_stages=shared,
+                                  models=self.models).run()
         except TrialStopped as stop:
             import optuna
 
@@ -375,26 +379,6 @@ class Sweeper:
 
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False, soft_wrap=True)
-
-
-class ModelCache:
-    """Models one process keeps between runs (``ftcore sweep``'s trials): the base model and the models
-    after stages every trial shares are built once; each run gets its own deep copy, so training one
-    never changes another's start. Holds one extra copy of each kept model."""
-
-    def __init__(self) -> None:
-        self._kept: dict[str, tuple[Any, Any]] = {}
-        self.built = self.copied = 0
-
-    def get(self, key: str, build: Any) -> tuple[Any, Any]:
-        import copy
-
-        if key not in self._kept:
-            self.built += 1
-            self._kept[key] = build()
-        else:
-            self.copied += 1
-        return copy.deepcopy(self._kept[key])
 
 
 @dataclass

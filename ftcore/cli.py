@@ -202,7 +202,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     _, registry = _plugins(args)
     plan = load_plan(args.plan, registry)
-    stages = " -> ".join(f"{s.name} ({s.trainer.name}, {s.adapter.name})" for s in plan.stages) or "no stages"
+    stages = " -> ".join(f"{s.name} ({s.trainer.shown}, {s.adapter.shown})" for s in plan.stages) or "no stages"
     print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
           f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
     if getattr(args, "data", False):  # the data side: a built-in plugin's, loaded by name and only here

@@ -244,7 +244,7 @@ def test_same_trainer_name_from_two_plugins_is_a_conflict_resolved_by_qualified_
     qualified = write_plan(tmp_path, trainer="beta-dist:shared", run_name="qualified")
     r = ftcore_cli("validate", str(qualified), cwd=tmp_path, site=site)
     assert r.returncode == 0, r.stderr
-    assert "OK" in r.stdout and "sft (shared, full)" in r.stdout
+    assert "OK" in r.stdout and "sft (beta-dist:shared, full)" in r.stdout  # as the plan wrote it
 
 
 def test_a_run_names_a_plugin_trainer_as_the_plan_wrote_it(tmp_path):
@@ -257,6 +257,8 @@ def test_a_run_names_a_plugin_trainer_as_the_plan_wrote_it(tmp_path):
     add_dist(site, "acme-dup", {"acme_mod": component_module("register_trainers", "Dup", "sft", "train", body)},
              {"acme": "acme_mod"})
     plan = write_plan(tmp_path, trainer="acme-dup:sft")
+    r = ftcore_cli("validate", str(plan), cwd=tmp_path, site=site)
+    assert r.returncode == 0 and "sft (acme-dup:sft, full)" in r.stdout, r.stdout + r.stderr
     r = ftcore_cli("run", str(plan), cwd=tmp_path, site=site)
     assert r.returncode == 0, r.stdout + r.stderr
     assert marker.read_text() == "sft"  # the plugin's trainer ran, not the built-in

@@ -66,7 +66,7 @@ class CheckCommand(Command):
         failures: list[str] = []
         with tempfile.TemporaryDirectory(prefix="ftcore-check-") as work:
             for stage in stages:
-                console.rule(f"stage {stage.name} ({stage.trainer.name})", style="dim")
+                console.rule(f"stage {stage.name} ({stage.trainer.shown})", style="dim")
                 failed = check_stage(runner, stage, Path(work) / stage.name, args, console)
                 failures += [f"{Path(args.plan).name}: stage {stage.name}: {line}" for line in failed]
         for line in failures:

@@ -236,7 +236,7 @@ RUN = [
      "save the file as UTF-8"),
     ("data", "content-not-a-string", sub('path = "train.jsonl"', 'path = "typed.jsonl"'),
      {"typed.jsonl": '{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "yo"}]}\n'},
-     "error: data.train: typed.jsonl:1: field 'messages[0].content' must be a string (or a list of text parts), "
+     "error: data.train: typed.jsonl:1: field 'messages[0].content' must be a string (or a list of text and image parts), "
      "got a number"),
     ("data", "preference-rows-for-sft-without-chosen", sub('path = "train.jsonl"', 'path = "pairs.jsonl"'),
      {"pairs.jsonl": '{"prompt": "Which is an animal?", "rejected": "the tree"}\n'},

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import shlex
 import signal
@@ -55,11 +54,6 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
                      help="also read, convert and render every row the stages use (loads the tokenizer, not the "
                           "model); each bad row as FILE:LINE: message; exits 2 if a run would stop on one")
 
-    plg = sub.add_parser("plugins", parents=[common], help="list installed components and commands by kind",
-                         description="List every installed component, by kind, and every command, with the "
-                                     "distribution providing it.")
-    plg.add_argument("--json", action="store_true", help="machine-readable output")
-
     # Commands from plugins (built-in ones too), in name order after the core's own.
     for name in sorted(commands):
         info = commands[name]
@@ -96,8 +90,10 @@ def _main(argv: list[str]) -> int:
         return 0
     from .errors import ComponentError, FtcoreError, PlanError
 
+    for problem in pm.notify("ftcore_cli_start", command=args.command, debug=args.debug):
+        warn(problem)
     try:
-        core = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins}
+        core = {"run": cmd_run, "validate": cmd_validate}
         if args.command in core:
             return core[args.command](args)
         return commands[args.command].cls().run(args)
@@ -149,54 +145,6 @@ def _plugins(args: argparse.Namespace) -> Any:
     return plugins_with_warnings(quiet=getattr(args, "json", False))
 
 
-def cmd_plugins(args: argparse.Namespace) -> int:
-    from .command import CORE_COMMANDS
-    from .command import commands as collect_commands
-    from .component import KINDS
-
-    pm, registry = _plugins(args)
-    commands, command_problems = collect_commands(pm)
-    if args.json:
-        out = {
-            "plugins": [vars(i) for i in pm.infos.values()],
-            "components": {
-                kind: [{"name": r.name, "qualified": r.qualified, "dist": r.dist, "version": r.version,
-                        "plugin": r.plugin, "description": r.description} for r in registry.all(kind)]
-                for kind in KINDS
-            },
-            "commands": [{"name": c.name, "dist": c.dist, "version": c.version, "plugin": c.plugin,
-                          "description": c.help} for _, c in sorted(commands.items())],
-            "conflicts": registry.conflicts(),
-            "problems": registry.problems + command_problems,
-        }
-        print(json.dumps(out, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console()
-    table = Table(box=None, padding=(0, 2), pad_edge=False)
-    table.add_column("component", no_wrap=True)
-    table.add_column("distribution", no_wrap=True, style="dim")  # plugin module paths are in --json
-    table.add_column("description", min_width=20, ratio=1)
-    for kind, spec in KINDS.items():
-        table.add_row(f"[bold]{spec.title}[/]", "", "")
-        for r in registry.all(kind):
-            table.add_row(f"  [cyan]{escape(r.name)}[/]", escape(f"{r.dist} {r.version}"), escape(r.description))
-        if not registry.all(kind):
-            table.add_row("  (none)", "", "")
-    table.add_row("[bold]Commands[/]", "", "")
-    for name in CORE_COMMANDS:
-        table.add_row(f"  [cyan]{name}[/]", f"ftcore {__version__}", "(ftcore's own)")
-    for name, c in sorted(commands.items()):
-        table.add_row(f"  [cyan]{escape(name)}[/]", escape(f"{c.dist} {c.version}"), escape(c.help))
-    console.print(table)
-    for conflict in registry.conflicts():
-        console.print(f"[red]conflict:[/] {conflict}", highlight=False)
-    return 0
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     from .plan import load_plan
 
@@ -214,11 +162,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .plan import load_plan
-    from .reporter import quiet_libraries
-
-    quiet_libraries(verbose=args.debug)
     from .runner import Runner
-    from .summary import print_summary
 
     pm, registry = _plugins(args)
     flags = ("engine", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
@@ -236,7 +180,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = Runner(plan, pm, console, resume=args.resume, force=args.force).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print_summary(console, summary)
+    from .plugins import warn
+
+    for problem in pm.notify("ftcore_run_summary", console=console, summary=summary):  # the end-of-run tables
+        warn(problem)
     return 0
 
 

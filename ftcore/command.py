@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
-# The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them.
-CORE_COMMANDS = ("run", "validate", "plugins")
+# The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them. ``ftcore plugins`` is
+# a built-in plugin's (``ftcore_plugins.commands.plugins``).
+CORE_COMMANDS = ("run", "validate")
 
 
 class Command:

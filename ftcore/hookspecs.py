@@ -202,3 +202,24 @@ def ftcore_run_end(run: Any, error: BaseException | None) -> None:
     :param run: the :class:`ftcore.context.RunInfo` of this run.
     :param error: the exception that ended the run, or ``None`` on success.
     """
+
+
+@hookspec
+def ftcore_run_summary(console: Any, summary: dict[str, Any]) -> None:
+    """Called by ``ftcore run`` once a run has completed, to show its result; the built-in one
+    (``ftcore_plugins.commands.report``) prints the end-of-run tables.
+
+    :param console: the rich ``Console`` the run printed on.
+    :param summary: what the run wrote to ``summary.json``: evaluations, stages, exports, memory, steps, run_dir.
+    """
+
+
+@hookspec
+def ftcore_cli_start(command: str, debug: bool) -> None:
+    """Called by the command line before it runs a command, once the plugins that give commands are
+    loaded; the built-in one (``ftcore_plugins.commands.quiet``) keeps the ML libraries' progress bars
+    and advisories off the console of ``ftcore run``, before any plugin imports them.
+
+    :param command: the command about to run: ``run``, ``validate``, or a plugin's (``plugins``, ``report``, ...).
+    :param debug: whether ``--debug`` was given: show everything.
+    """

@@ -10,7 +10,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,31 +18,6 @@ from typing import Any
 from . import rundir
 
 log = logging.getLogger("ftcore")
-
-
-def quiet_libraries(verbose: bool = False) -> None:
-    """Keep third-party chatter off the console for the rest of this process: the progress bars of
-    transformers ("Loading weights"), datasets and the hub, transformers' advisory messages, and Python
-    warnings (a library's ``FutureWarning``). Warnings go to the logging system instead, so ``run.log``
-    keeps them, as it keeps the libraries' log records; ``verbose`` (``--debug``) leaves everything as the libraries set it. Call it before
-    they are imported: they read these settings then."""
-    if verbose:
-        return
-    for name, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
-                        ("TRANSFORMERS_VERBOSITY", "error"), ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
-        os.environ.setdefault(name, value)
-    from .memory import gpu_visible
-
-    if not gpu_visible():
-        # What DeepSpeed picks anyway on such a machine; said up front, it does not print (to stdout, through
-        # its own handler) that it "was unable to detect" a GPU when transformers imports it.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    logging.captureWarnings(True)
-    # Not Python's last-resort handler, which prints a library's log warnings (bitsandbytes' "Failed to
-    # load CPU gemm_4bit_forward ...") to stderr: until run.log exists they are dropped.
-    root = logging.getLogger()
-    if not any(isinstance(h, logging.NullHandler) for h in root.handlers):
-        root.addHandler(logging.NullHandler())
 
 
 class Progress:

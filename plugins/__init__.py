@@ -86,8 +86,10 @@ COMPONENTS = (
     "ftcore_plugins.exporters.mlflow",
 )
 
-# Subcommands beyond run/validate/plugins; `ftcore --help` imports these and no other built-in.
+# Subcommands beyond run/validate; `ftcore --help` imports these and no other built-in.
 COMMANDS = (
+    "ftcore_plugins.commands.plugins",
+    "ftcore_plugins.commands.quiet",
     "ftcore_plugins.commands.init",
     "ftcore_plugins.commands.estimate",
     "ftcore_plugins.commands.report",

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import installed
+from ftcore.plugins import get_plugin_manager
 from test_plugin_manager import add_dist, ftcore_cli, lines_with
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +65,7 @@ def test_builtin_commands_are_plugins_and_help_lists_them(tmp_path):
     listing = json.loads(ftcore_cli("plugins", "--json", cwd=tmp_path).stdout)
     by_name = {c["name"]: c for c in listing["commands"]}
     assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare", "check", "lr-find",
-                            "sweep"}
+                            "sweep", "plugins"}
     assert all(c["dist"] == "ftcore" and c["plugin"].startswith("ftcore_plugins.commands.") for c in by_name.values())
 
 
@@ -177,3 +178,43 @@ when = "both"
         r = ftcore_cli("runs", str(tmp_path / "missing"), cwd=tmp_path)
         assert (r.returncode, r.stderr) == (2, f"error: {tmp_path / 'missing'}: no such folder; give the folder "
                                                "that holds your run directories\n")
+
+
+def test_the_end_of_run_tables_come_from_the_ftcore_run_summary_hook():
+    """``ftcore run`` shows a completed run through ``ftcore_run_summary``; the built-in report plugin prints
+    the tables, and without it nothing is printed."""
+    from rich.console import Console
+
+    summary = {"run_dir": "runs/x", "stages": {"sft": {"train_loss": 1.25, "other": 3}},
+               "evaluations": {"before": {"ppl": {"perplexity": 12.5}}, "after": {"ppl": {"perplexity": 10.0}}},
+               "exports": {"merged": "runs/x/exports/merged"}, "memory": {"baseline": {"rss_mib": 100.0}},
+               "steps": [{"name": "sft", "seconds": 1.5, "skipped": False}]}
+    console = Console(record=True, width=120)
+    assert get_plugin_manager(entry_points=False, components=False).notify(
+        "ftcore_run_summary", console=console, summary=summary) == []
+    text = console.export_text()
+    for shown in ("Evaluation", "-2.5", "Steps", "train_loss=1.25", "Memory (MiB,", "Artifacts",
+                  "runs/x/exports/merged", "run directory: runs/x"):
+        assert shown in text, text
+    assert "other=3" not in text
+    console = Console(record=True, width=120)
+    get_plugin_manager(entry_points=False, components=False, env={"FTCORE_DISABLE_PLUGINS": "commands.report"}).notify(
+        "ftcore_run_summary", console=console, summary=summary)
+    assert console.export_text() == ""
+
+
+def test_ftcore_cli_start_quiets_the_libraries_before_ftcore_run(monkeypatch):
+    """The command line calls ``ftcore_cli_start`` before a command; the built-in one quiets the ML libraries
+    for ``ftcore run`` (not with ``--debug``, nor for a command that does not load them)."""
+    import logging
+    import os
+
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_VERBOSITY"})
+    monkeypatch.setattr(logging, "captureWarnings", lambda capture: None)
+    monkeypatch.setattr(logging.getLogger(), "handlers", list(logging.getLogger().handlers))
+    pm = get_plugin_manager(entry_points=False, components=False)
+    assert pm.notify("ftcore_cli_start", command="validate", debug=False) == []
+    assert pm.notify("ftcore_cli_start", command="run", debug=True) == []
+    assert "TRANSFORMERS_VERBOSITY" not in os.environ
+    assert pm.notify("ftcore_cli_start", command="run", debug=False) == []
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"

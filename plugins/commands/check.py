@@ -48,7 +48,7 @@ class CheckCommand(Command):
 
         from rich.console import Console
 
-        from ftcore.reporter import quiet_libraries
+        from ftcore_plugins.commands.quiet import quiet_libraries
 
         quiet_libraries(verbose=args.debug)
         from ftcore.runner import Runner

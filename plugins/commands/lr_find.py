@@ -50,7 +50,7 @@ class LrFindCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from rich.console import Console
 
-        from ftcore.reporter import quiet_libraries
+        from ftcore_plugins.commands.quiet import quiet_libraries
 
         quiet_libraries(verbose=args.debug)
         from ftcore.runner import Runner

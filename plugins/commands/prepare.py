@@ -29,7 +29,7 @@ class PrepareCommand(Command):
         from rich.console import Console
 
         from ftcore_plugins.common.cache import cache_dir
-        from ftcore.reporter import quiet_libraries
+        from ftcore_plugins.commands.quiet import quiet_libraries
 
         quiet_libraries(verbose=args.debug)
         from ftcore.runner import Runner

@@ -22,7 +22,8 @@ from ftcore import rundir
 from ftcore.command import Command
 from ftcore.errors import FtcoreError
 from ftcore.plan import phase_order
-from ftcore.summary import evaluation_rows, format_value
+from ftcore.summary import format_value
+from ftcore_plugins.commands._summary import evaluation_rows, print_summary
 
 PLOT_DIR = "report"
 PLOT_WIDTH_IN, PANEL_HEIGHT_IN, PLOT_DPI = 10.0, 3.2, 100  # every PNG is 1000 px wide
@@ -480,3 +481,9 @@ def ftcore_run_end(run: Any, error: BaseException | None) -> None:
         run.reporter.warn(f"could not write the run report: {type(exc).__name__}: {exc}")
     else:
         run.reporter.info(f"report: {html_path}")
+
+
+@ftcore.hookimpl
+def ftcore_run_summary(console: Any, summary: dict[str, Any]) -> None:
+    """``ftcore run``'s tables when a run completes: evaluations, steps, memory, artifacts."""
+    print_summary(console, summary)

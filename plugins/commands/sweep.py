@@ -55,7 +55,7 @@ class SweepCommand(Command):
     def run(self, args: argparse.Namespace) -> int:
         from rich.console import Console
 
-        from ftcore.reporter import quiet_libraries
+        from ftcore_plugins.commands.quiet import quiet_libraries
 
         quiet_libraries(verbose=args.debug)
         plan, pm = self.load_plan(args.plan)

@@ -174,3 +174,16 @@ def machine() -> str:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     versions = ", ".join(f"{d} {md.version(d)}" for d in ("torch", "transformers", "trl", "peft"))
     return f"{cpu}, {os.cpu_count()} cores{ram}; load average {load:.1f} at the end; {versions}"
+
+
+def print_seed_table(results: list[dict], seeds: list, arms: list, *, arm_key: str, stopped: str) -> None:
+    """The per-seed Markdown rows of exact match and stopped answers for each arm (``arm_key`` names the
+    arm field of a result; ``stopped`` is the second column's heading after the arm's name)."""
+    print("| seed | " + " | ".join(f"{arm} exact match | {arm} {stopped}" for arm in arms) + " |")
+    print("|---:|" + "---:|---:|" * len(arms))
+    for seed in seeds:
+        cells = []
+        for arm in arms:
+            r = next(r for r in results if r["seed"] == seed and r[arm_key] == arm)
+            cells += [f"{r['exact_match']:.2f}", f"{r['stopped']}/{r['answers']}"]
+        print(f"| {seed} | " + " | ".join(cells) + " |")

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _bench import machine  # noqa: E402
+from _bench import machine, print_seed_table  # noqa: E402
 
 QUICKSTART = ROOT / "examples" / "quickstart"
 ARMS = ("chatml", "chatml-new", "llama3", "chatml-trained")
@@ -125,14 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"plan: examples/quickstart/plan.toml without its exports{' (tiny: 2 steps per stage)' if a.tiny else ''}; "
           f"seeds {', '.join(map(str, seeds))}; {time.perf_counter() - start:.0f} s")
     print()
-    print("| seed | " + " | ".join(f"{arm} exact match | {arm} stopped" for arm in arms) + " |")
-    print("|---:|" + "---:|---:|" * len(arms))
-    for seed in seeds:
-        cells = []
-        for arm in arms:
-            r = next(r for r in results if r["seed"] == seed and r["arm"] == arm)
-            cells += [f"{r['exact_match']:.2f}", f"{r['stopped']}/{r['answers']}"]
-        print(f"| {seed} | " + " | ".join(cells) + " |")
+    print_seed_table(results, seeds, arms, arm_key="arm", stopped="stopped")
     print("| mean | " + " | ".join(f"{mean[arm]:.3f} | " for arm in arms) + "|")
     print("| std | " + " | ".join(f"{std[arm]:.3f} | " for arm in arms) + "|")
     print()

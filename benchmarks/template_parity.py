@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _bench import machine  # noqa: E402
+from _bench import machine, print_seed_table  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "ftcore-example-data"
 QUICKSTART = ROOT / "examples" / "quickstart"
@@ -101,14 +101,7 @@ def main() -> None:
     print(f"plan: {EXAMPLE.relative_to(ROOT)}/plan.toml{' (tiny: one epoch per stage)' if a.tiny else ''}; "
           f"seeds {', '.join(map(str, seeds))}")
     print()
-    print("| seed | " + " | ".join(f"{t} exact match | {t} stopped after the answer" for t in TEMPLATES) + " |")
-    print("|---:|" + "---:|---:|" * len(TEMPLATES))
-    for seed in seeds:
-        cells = []
-        for t in TEMPLATES:
-            r = next(r for r in results if r["seed"] == seed and r["template"] == t)
-            cells += [f"{r['exact_match']:.2f}", f"{r['stopped']}/{r['answers']}"]
-        print(f"| {seed} | " + " | ".join(cells) + " |")
+    print_seed_table(results, seeds, TEMPLATES, arm_key="template", stopped="stopped after the answer")
     print(f"| mean | {mean['turns']:.3f} | | {mean['chatml']:.3f} | |")
     print()
     print(f"turns - chatml, mean exact match over {len(seeds)} seed(s): {mean['turns'] - mean['chatml']:+.3f}")

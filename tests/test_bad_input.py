@@ -1,10 +1,19 @@
 """The bad-input corpus: malformed plans and data files, each refused with one line before work starts.
 
-Every case breaks the small valid project of ``test_plan_errors`` in one way and runs the real CLI in
-a subprocess. Each must exit with status 2, print exactly one line on stderr (no traceback) naming the
+Every case breaks the small valid project of ``test_plan_errors`` in one way and runs the CLI's
+``main`` on it. Each must exit with status 2, print exactly one line on stderr (no traceback) naming the
 plan or data file and the key, line or row, leave every file outside ``runs/`` as it was, and leave no
 run folder that would stop the next ``ftcore run`` (none at all, or one that failed before training,
 which the next run replaces).
+
+Most cases call ``ftcore.cli.main`` in the test's process (a fresh ``python -m ftcore`` imports torch and
+transformers again for every case: 20-40 s each on a busy machine), with the process's own stderr (file
+descriptor 2) captured and whatever the CLI changes in the process (environment, logging, warnings
+filters, signal handlers, working folder) put back after each call. ``PROCESS`` names the cases that run
+``python -m ftcore`` for real instead: at least one of every class of bad input in each test, so the real
+path (the exit status of the process, its one stderr line, no traceback) stays covered, and every case
+whose environment the libraries read once, when they are imported (the Hugging Face hub's address and
+cache).
 
 The plan cases of ``test_plan_errors.CASES`` belong to the corpus too; ``CLASS_OF`` sorts them into
 the classes below, and ``test_the_corpus_covers_every_class`` counts them.
@@ -22,11 +31,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
-from test_plan_errors import BASE, CASES, EVALUATE, ROWS, append, ftcore, snapshot, sub, write_project
+from test_plan_errors import BASE, CASES, EVALUATE, ROWS, append, snapshot, sub, write_project
 
 from ftcore import rundir
 
@@ -254,6 +263,101 @@ RUN = [
 ]
 
 
+# -- running the CLI: in this process, or for real ---------------------------------------------------------
+
+# The cases that run `python -m ftcore` in a subprocess: one of each class of bad input in each test below,
+# and the cases whose environment variables huggingface_hub reads once, at import (HF_ENDPOINT, HF_HOME).
+PROCESS = {
+    # test_validate_refuses_with_one_line
+    "epochs-inf", "unknown-template", "learning-rate-string", "duplicate-key", "output-dir-is-a-file",
+    "hidden-size-not-a-multiple-of-heads",
+    # test_run_refuses_with_one_line_and_leaves_nothing_in_the_way
+    "max-length-beyond-context", "malformed-json-line",
+    # test_model_problems_are_one_line_before_the_run_folder
+    "hf-config-does-not-match-the-weights", "hf-id-offline", "hf-id-hub-unreachable",
+    "hf-tokenizer-id-hub-unreachable",
+}
+
+
+class Result(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _process(args: tuple[str, ...], env: dict[str, str]) -> Result:
+    r = subprocess.run([sys.executable, "-m", "ftcore", *args], capture_output=True, text=True, timeout=3600,
+                       env={**os.environ, **env})  # the timeout only catches a hang
+    return Result(r.returncode, r.stdout, r.stderr)
+
+
+def _in_process(args: tuple[str, ...], env: dict[str, str], monkeypatch, capfd) -> Result:
+    """``python -m ftcore ARGS`` as ``ftcore/__main__.py`` runs it (``raise SystemExit(main())``), in this
+    process: the exit status from ``main``'s return value or its SystemExit (argparse's), stdout and stderr
+    as the file descriptors saw them. What the CLI changes in the process is put back afterwards, so that
+    one case cannot change what the next sees."""
+    import logging
+    import signal
+    import warnings
+
+    from ftcore import cli
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    environ, cwd = dict(os.environ), os.getcwd()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    capturing = logging._warnings_showwarning is not None  # logging.captureWarnings(True) in effect
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    capfd.readouterr()  # what the test printed before is not the CLI's
+    extra = ""
+    try:
+        with warnings.catch_warnings():
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:
+                code = exc.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):  # SystemExit("message"): printed, exit status 1
+            code, extra = 1, f"{code}\n"
+    finally:
+        out, err = capfd.readouterr()
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        logging.captureWarnings(capturing)
+        for sig, handler in signals.items():
+            signal.signal(sig, handler)
+    return Result(code, out, err + extra)
+
+
+@pytest.fixture
+def cli(request, monkeypatch, capfd) -> Callable[..., Result]:
+    """``cli(*args, env={})``: the CLI on ``args`` with third-party plugins off, in a subprocess for the cases
+    in ``PROCESS``, in this process for the others."""
+    callspec = getattr(request.node, "callspec", None)
+    real = callspec is not None and callspec.id in PROCESS
+
+    def run(*args: str, env: dict[str, str] | None = None) -> Result:
+        env = {"FTCORE_LOAD_PLUGINS": "", **(env or {})}
+        return _process(args, env) if real else _in_process(args, env, monkeypatch, capfd)
+
+    return run
+
+
+def test_every_class_runs_a_real_process_in_each_test():
+    cases = {"validate": VALIDATE, "run": RUN, "model": MODEL}
+    for test, corpus in cases.items():
+        classes = {c[0] for c in corpus}
+        assert classes == {c[0] for c in corpus if c[1] in PROCESS}, test
+    assert PROCESS <= {c[1] for corpus in cases.values() for c in corpus}
+    # An environment of its own is read by huggingface_hub when it is imported: only a process of its own sees it.
+    assert {c[1] for c in MODEL if c[5]} <= PROCESS
+
+
 def _expected(line: str, plan: Path) -> str:
     return line.format(tmp=plan.parent.resolve(), plan=plan)
 
@@ -278,10 +382,10 @@ def _outside_runs(snap: dict) -> dict:
 
 @pytest.mark.parametrize("cls, mutate, line, at", [(*c[:1], *c[2:4], c[4] if len(c) > 4 else None) for c in VALIDATE],
                          ids=[c[1] for c in VALIDATE])
-def test_validate_refuses_with_one_line(tmp_path, cls, mutate, line, at):
+def test_validate_refuses_with_one_line(tmp_path, cli, cls, mutate, line, at):
     plan = write_project(tmp_path, mutate(BASE))
     before = snapshot(tmp_path)
-    got = _one_line(ftcore("validate", str(plan)), plan)
+    got = _one_line(cli("validate", str(plan)), plan)
     want = f"{plan}{f':{at}' if at else ''}: {_expected(line, plan)}"
     assert (got.startswith(want) if want.endswith("Available: ") else got == want), (got, want)
     assert snapshot(tmp_path) == before
@@ -290,13 +394,13 @@ def test_validate_refuses_with_one_line(tmp_path, cls, mutate, line, at):
 @pytest.mark.slow
 @pytest.mark.parametrize("cls, mutate, files, line", [(c[0], c[2], c[3], c[4]) for c in RUN],
                          ids=[c[1] for c in RUN])
-def test_run_refuses_with_one_line_and_leaves_nothing_in_the_way(tmp_path, cls, mutate, files, line):
+def test_run_refuses_with_one_line_and_leaves_nothing_in_the_way(tmp_path, cli, cls, mutate, files, line):
     plan = write_project(tmp_path, mutate(BASE))
     for name, content in files.items():
         path = tmp_path / name
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content, encoding="utf-8")
     before = _outside_runs(snapshot(tmp_path))
-    got = _one_line(ftcore("run", str(plan)), plan)
+    got = _one_line(cli("run", str(plan)), plan)
     want = _expected(line, plan)
     assert (got.startswith(want) if want.endswith("; ") else got == want), (got, want)
     assert _outside_runs(snapshot(tmp_path)) == before
@@ -473,35 +577,31 @@ def _matches(line: str, want: str) -> bool:
     return re.fullmatch(".*".join(re.escape(part) for part in want.split("…")), line, re.S) is not None
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ftcore", *args], capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "FTCORE_LOAD_PLUGINS": "", **env})
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("cls, mutate, files, where, env, line", [c[:1] + c[2:] for c in MODEL],
                          ids=[c[1] for c in MODEL])
-def test_model_problems_are_one_line_before_the_run_folder(tmp_path, tiny_hf, cls, mutate, files, where, env, line):
+def test_model_problems_are_one_line_before_the_run_folder(tmp_path, tiny_hf, cli, cls, mutate, files, where, env,
+                                                           line):
     plan = write_project(tmp_path, mutate(BASE))
     if "base" in plan.read_text():
         shutil.copytree(tiny_hf, tmp_path / "base")
     files(tmp_path)
-    env = {"HF_HOME": str(tmp_path.parent / f"{tmp_path.name}-hf-home"), **env}  # an empty hub cache
+    env = {"HF_HOME": str(tmp_path.parent / f"{tmp_path.name}-hf-home"), **env}  # an empty hub cache (a process's)
     want = f"{plan}: {_expected(line, plan)}"
     before = snapshot(tmp_path)
-    validated = _cli("validate", str(plan), env=env)
+    validated = cli("validate", str(plan), env=env)
     if where == "validate":
         assert _matches(_one_line(validated, plan), want), (validated.stderr, want)
     else:
         assert validated.returncode == 0, validated.stderr
     started = time.monotonic()
-    got = _one_line(_cli("run", str(plan), env=env), plan)
+    got = _one_line(cli("run", str(plan), env=env), plan)
     assert _matches(got, want), (got, want)
     assert len(got) < 600, got  # no list of every model type transformers knows
     assert time.monotonic() - started < 120  # no retries against a hub that is not there
     assert not (tmp_path / "runs").exists() and snapshot(tmp_path) == before
     # A rerun without flags meets the same line: the first left nothing in the way.
-    assert _one_line(_cli("run", str(plan), env=env), plan) == got
+    assert _one_line(cli("run", str(plan), env=env), plan) == got
 
 
 @pytest.mark.slow
@@ -519,7 +619,7 @@ def test_a_run_that_trained_nothing_reruns_without_flags(tmp_path):
         {"stage": "sft", "step": 0, "loss_kernel": "chunked"},
         {"stage": "sft", "step": 0, "trainable_params": 5888, "total_params": 31808}]))
     assert not rundir.trained_anything(run)
-    result = _cli("run", str(plan), env={})
+    result = _process(("run", str(plan)), {"FTCORE_LOAD_PLUGINS": ""})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the previous run here failed before training" in result.stdout
     assert rundir.read_json(run / rundir.MANIFEST)["status"] == "complete"

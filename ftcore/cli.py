@@ -1,13 +1,9 @@
-"""The ``ftcore`` command line.
-
-Imports are deferred into each command: ``--help`` loads nothing heavy, and
-``plugins``/``validate`` never import torch or transformers.
-"""
+"""The ``ftcore`` command line: ``ftcore run``, and the commands plugins register (``validate``, ...).
+Imports are deferred into each command: ``--help`` loads nothing heavy."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import shlex
 import signal
@@ -46,13 +42,6 @@ def _parser(commands: dict[str, Any]) -> argparse.ArgumentParser:
                              ("--master-addr", str, "rank 0's node address"),
                              ("--master-port", int, "a free port on rank 0's node")):
         dist.add_argument(flag, type=kind, help=what)
-
-    val = sub.add_parser("validate", parents=[common], help="check a plan and list every problem, loading nothing",
-                         description="Check a plan against the installed plugins. Exits 2 if it has problems.")
-    val.add_argument("plan", help="path to plan.toml")
-    val.add_argument("--data", action="store_true",
-                     help="also read, convert and render every row the stages use (loads the tokenizer, not the "
-                          "model); each bad row as FILE:LINE: message; exits 2 if a run would stop on one")
 
     # Commands from plugins (built-in ones too), in name order after the core's own.
     for name in sorted(commands):
@@ -93,18 +82,11 @@ def _main(argv: list[str]) -> int:
     for problem in pm.notify("ftcore_cli_start", command=args.command, debug=args.debug):
         warn(problem)
     try:
-        core = {"run": cmd_run, "validate": cmd_validate}
-        if args.command in core:
-            return core[args.command](args)
+        if args.command == "run":
+            return cmd_run(args)
         return commands[args.command].cls().run(args)
-    except PlanError as exc:
-        for line in exc.problems:
-            print(line, file=sys.stderr)
-        if args.debug:
-            traceback.print_exc()
-        return 2
-    except FtcoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except FtcoreError as exc:  # a plan's problems one a line, else one line
+        print(*(exc.problems if isinstance(exc, PlanError) else [f"error: {exc}"]), sep="\n", file=sys.stderr)
         if args.debug:
             traceback.print_exc()
         return exc.exit_code
@@ -133,38 +115,14 @@ def _interrupted(args: argparse.Namespace, message: str | None) -> str:
     return f"interrupted; continue with: {again}" if again else "interrupted"
 
 
-def plugins_with_warnings(quiet: bool = False) -> tuple[Any, Any]:
-    """Every plugin and the component registry, each plugin problem printed once as a warning (kept
-    here for the commands that import it from ``ftcore.cli``; it lives in ``ftcore.plugins``)."""
-    from .plugins import plugins_with_warnings
-
-    return plugins_with_warnings(quiet)
-
-
-def _plugins(args: argparse.Namespace) -> Any:
-    return plugins_with_warnings(quiet=getattr(args, "json", False))
-
-
-def cmd_validate(args: argparse.Namespace) -> int:
-    from .plan import load_plan
-
-    _, registry = _plugins(args)
-    plan = load_plan(args.plan, registry)
-    stages = " -> ".join(f"{s.name} ({s.trainer.shown}, {s.adapter.shown})" for s in plan.stages) or "no stages"
-    print(f"{args.plan}: OK: model '{plan.model.name}', {len(plan.data)} data, stages: {stages}; "
-          f"{len(plan.evaluations)} evaluation(s), {len(plan.exports)} export(s); run dir {plan.run_dir}")
-    if getattr(args, "data", False):  # the data side: a built-in plugin's, loaded by name and only here
-        return importlib.import_module("ftcore_plugins.data._check").check_plan_data(plan)
-    return 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from .plan import load_plan
+    from .plugins import plugins_with_warnings, warn
     from .runner import Runner
 
-    pm, registry = _plugins(args)
+    pm, registry = plugins_with_warnings()
     flags = ("engine", "nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
     overrides = {k: getattr(args, k) for k in flags if getattr(args, k) is not None}
     plan = load_plan(args.plan, registry, {"distributed": overrides} if overrides else None)
@@ -180,8 +138,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         summary = Runner(plan, pm, console, resume=args.resume, force=args.force).run()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    from .plugins import warn
-
     for problem in pm.notify("ftcore_run_summary", console=console, summary=summary):  # the end-of-run tables
         warn(problem)
     return 0

@@ -1,11 +1,5 @@
-"""Subcommands of ``ftcore`` that plugins add through ``register_commands``.
-
-A command is a class: ``name`` is the word after ``ftcore``, the docstring's first line is its line
-in ``ftcore --help`` (the rest is its ``--help`` description), ``add_arguments`` declares its
-arguments on an ``argparse`` parser and ``run`` does the work and returns the exit status. Raise
-:class:`ftcore.errors.FtcoreError` for bad input: the CLI prints it as one line and exits 2.
-Nothing here imports more than the standard library, so ``ftcore --help`` stays fast.
-"""
+"""Subcommands of ``ftcore`` that plugins add through ``register_commands`` (docs/writing-plugins.md).
+Nothing here imports more than the standard library, so ``ftcore --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -16,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 _NAME = re.compile(r"^[a-z][a-z0-9-]*$")
-# The commands the core itself defines (ftcore/cli.py); a plugin cannot replace them. ``ftcore plugins`` is
-# a built-in plugin's (``ftcore_plugins.commands.plugins``).
-CORE_COMMANDS = ("run", "validate")
+# The command the core itself defines (ftcore/cli.py); a plugin cannot replace it. The others, ``ftcore
+# validate`` and ``ftcore plugins`` too, are plugins' (``ftcore_plugins.commands``).
+CORE_COMMANDS = ("run",)
 
 
 class Command:
@@ -35,9 +29,8 @@ class Command:
 
     @staticmethod
     def load_plan(path: str, overrides: dict | None = None) -> tuple[Any, Any]:
-        """Load and validate a plan against the installed plugins, as ``ftcore run`` does: returns
-        ``(plan, plugin_manager)``. Plugin problems are printed as warnings; a bad plan raises
-        :class:`ftcore.errors.PlanError`, which the CLI prints one problem a line with exit 2."""
+        """``(plan, plugin_manager)``, the plan checked as ``ftcore run`` checks it (plugin problems printed
+        as warnings; a bad plan raises :class:`ftcore.errors.PlanError`)."""
         from .plan import load_plan
         from .plugins import plugins_with_warnings
 
@@ -82,9 +75,8 @@ def check_command(cls: object) -> str | None:
 
 
 def commands(pm: Any) -> tuple[dict[str, CommandInfo], list[str]]:
-    """Every command the plugins of ``pm`` register, by name, and the problems met collecting them. A
-    name clash is a warning naming the winner: the core's commands, then built-in ones, then the first
-    loaded."""
+    """Every command the plugins of ``pm`` register, by name, and the problems met collecting them (a
+    name clash: the core's command wins, then a built-in one, then the first loaded)."""
     from .plugins import PluginInfo, one_line
 
     found: dict[str, CommandInfo] = {}

@@ -31,11 +31,8 @@ class Component:
         self.options = options if options is not None else self.Options()
 
     def check(self, plan: Any) -> list[str]:
-        """Cross-checks against the whole plan, before anything heavy runs.
-
-        Return problems as ``"key: message"`` strings relative to this component's
-        section; an empty list means fine.
-        """
+        """Cross-checks against the whole plan, before anything heavy runs: problems as ``"key: message"``
+        relative to this component's section."""
         return []
 
     def inputs(self) -> list[Any]:
@@ -44,16 +41,13 @@ class Component:
 
 
 class PlanSection:
-    """A top-level plan table a plugin owns (``[sweep]``, ``[distributed]``), registered through
-    ``register_plan_sections``. ``name`` is the table's name. ``Options`` (a pydantic model) are its
-    keys, validated as a component's options are; a section that reads its table itself defines
-    ``parse(table, problem)`` instead, a classmethod that reports through ``problem(key, message)``
-    (``key`` from the plan's top, e.g. ``"sweep.trials"``) and returns the options or ``None``.
-    ``fingerprint = False`` leaves the table out of the run's fingerprint, so that editing it does not
-    make a finished run another run (``[distributed]``: a run may be resumed on other hardware).
-
-    Every installed section is part of every plan, whether the plan writes its table or not:
-    ``plan.sections[name]``, and ``plan.<name>``, its :attr:`value`."""
+    """A top-level plan table a plugin owns (``[sweep]``, ``[distributed]``, ``[track]``), registered through
+    ``register_plan_sections`` (docs/writing-plugins.md). ``name`` is the table's name; ``Options`` its keys,
+    validated as a component's options are, unless the class reads its table itself with a classmethod
+    ``parse(table, problem)``, or ``parse(table, problem, select)`` to select components: ``select(kind,
+    name, key, options)`` returns a :class:`ftcore.plan.Selected` or ``None``, the problem reported.
+    ``fingerprint = False`` leaves the table out of the run's fingerprint. Every installed section is
+    part of every plan: ``plan.sections[name]``, and ``plan.<name>``, its :attr:`value`."""
 
     name: ClassVar[str] = ""
     Options: ClassVar[type[BaseModel]] = Options
@@ -70,6 +64,11 @@ class PlanSection:
     def check(self, plan: Any) -> list[str]:
         """Cross-checks against the whole plan, once the rest of it is valid: problems as
         ``"key: message"`` relative to the table (``ftcore validate`` prints ``<name>.<key>``)."""
+        return []
+
+    def components(self) -> list[Any]:
+        """The components the table selects: their ``check(plan)`` runs with the other components', and
+        ``ftcore run`` registers the trackers among them as plugins for the length of the run."""
         return []
 
     def launch(self, plan: Any, argv: list[str]) -> int | None:

@@ -1,8 +1,5 @@
-"""What the runner hands to components. Plain dataclasses: no torch here.
-
-Fields typed ``Any`` hold torch/transformers/datasets objects that the core only passes
-along.
-"""
+"""What the runner hands to components. Plain dataclasses: no torch here; fields typed ``Any`` hold
+torch/transformers/datasets objects that the core only passes along."""
 
 from __future__ import annotations
 
@@ -134,9 +131,10 @@ class ExportContext:
     # Where the export ends up: ``path`` is a hidden folder next to it, renamed into place when the export
     # returns. Name this one in what the export writes (a model card's loading snippet).
     final_path: Path | None = None
-    # Where the model the live adapter was applied to loads from on its own (a folder or a hub id), so
-    # that an adapter export can name its exact base; None when no folder holds it.
-    adapter_base: Callable[[], str | None] | None = None
+    # The index in plan.stages of the stage where the live adapter was first applied (-1: none), and
+    # load_model("base" or "<stage>"), as EvalContext's: an adapter export names its exact base so.
+    adapter_from: int = -1
+    load_model: Callable[[str], tuple[Any, Any]] | None = None
     # For an exporter that merges (``merges = True`` on its class; it runs after those that do not):
     # ``consume``: the run has no further use for ``model`` as it is, so merge it in place (no copy)
     # and set ``merged`` to the merged model, which the exports after this one get. ``last``: none

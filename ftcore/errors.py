@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 
 
@@ -48,3 +49,19 @@ def unknown_choice(what: str, word: str, choices: Iterable[str], none: str = "no
     available = ", ".join(choices) if choices else none
     hint = did_you_mean(word, choices)
     return f"unknown {what} {word!r}{hint} {'Available' if hint else '; available'}: {available}".replace(" ;", ";")
+
+
+def one_line(exc: BaseException) -> str:
+    """``ValueError: <the message's first line>``: an exception as one line of a report."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+_warned: set[str] = set()
+
+
+def warn(problem: str) -> None:
+    """Print a warning once per process, however many plugin managers or registries meet it."""
+    if problem not in _warned:
+        _warned.add(problem)
+        print(f"warning: {problem}", file=sys.stderr)

@@ -1,9 +1,5 @@
-"""The hooks third-party plugins implement.
-
-There is one registry hook per kind of component, in the callback style of simonw/llm:
-the hook receives ``register`` and calls it once per component class. A handful of
-lifecycle hooks let trackers and notifiers observe a run without being a component.
-"""
+"""The hooks plugins implement: one registry hook per kind of component, in the callback style of
+simonw/llm (the hook calls ``register`` once per class), and lifecycle hooks that observe a run."""
 
 from __future__ import annotations
 
@@ -21,10 +17,9 @@ Register = Callable[[type], None]
 def register_model_loaders(register: Register) -> None:
     """Register model loaders: components that produce a model and its tokenizer.
 
-    :param register: call ``register(cls)`` for each loader class. The class has a
-        ``name``, an ``Options`` pydantic model, and ``load(ctx) -> (model, tokenizer)``;
-        optionally ``meta_model() -> (model, config)`` on the meta device (``ftcore estimate``
-        and the pre-flight checks) and ``load_tokenizer(ctx)`` (``ftcore prepare``).
+    :param register: call ``register(cls)`` for each loader class, with ``name``, ``Options`` and
+        ``load(ctx) -> (model, tokenizer)``; optionally ``meta_model() -> (model, config)`` on the meta
+        device, ``load_tokenizer(ctx)`` and ``preflight(plan)``.
     """
 
 
@@ -68,10 +63,8 @@ def register_quantizers(register: Register) -> None:
 def register_trainers(register: Register) -> None:
     """Register trainers (SFT, pre-training, DPO, ...), one per ``[[stage]]`` kind.
 
-    :param register: call ``register(cls)`` for each trainer class, with ``name``,
-        ``Options`` and ``train(ctx) -> dict`` of final metrics; optionally
-        ``prepare_data(ctx)``, the tokenization alone, which ``ftcore prepare`` calls
-        with the tokenizer and a meta-device model.
+    :param register: call ``register(cls)`` for each trainer class, with ``name``, ``Options`` and
+        ``train(ctx) -> dict`` of final metrics; optionally ``prepare_data(ctx)``, the tokenization alone.
     """
 
 
@@ -88,10 +81,8 @@ def register_evaluators(register: Register) -> None:
 def register_exporters(register: Register) -> None:
     """Register exporters, which write the trained model somewhere other tools can load it.
 
-    :param register: call ``register(cls)`` for each exporter class, with ``name``,
-        ``Options`` and ``export(ctx) -> pathlib.Path``. An exporter that folds the
-        adapter into the model sets ``merges = True``: it runs after the exports that read
-        the adapter model, and may merge it in place (``ExportContext.consume``).
+    :param register: call ``register(cls)`` for each exporter class, with ``name``, ``Options`` and
+        ``export(ctx) -> pathlib.Path``; ``merges = True`` for one that folds the adapter into the model.
     """
 
 
@@ -109,10 +100,9 @@ def register_reward_functions(register: Register) -> None:
 def register_trackers(register: Register) -> None:
     """Register experiment trackers (TensorBoard, MLflow, ...), selected in a plan's ``track``.
 
-    :param register: call ``register(cls)`` for each tracker class, with ``name``, ``Options``
-        and the lifecycle hooks it needs as methods marked ``@ftcore.hookimpl``; at least
-        ``ftcore_log``. The runner creates the plan's trackers and registers each instance
-        as a plugin for the length of the run, so they see the run through the same hooks.
+    :param register: call ``register(cls)`` for each tracker class, with ``name``, ``Options`` and the
+        lifecycle hooks it needs (at least ``ftcore_log``) as methods marked ``@ftcore.hookimpl``: the
+        runner registers the plan's trackers as plugins for the length of the run.
     """
 
 
@@ -129,25 +119,37 @@ def register_commands(register: Register) -> None:
 
 @hookspec
 def register_plan_sections(register: Register) -> None:
-    """Register top-level plan tables a plugin owns (``[sweep]`` of ``ftcore sweep``, ...).
+    """Register top-level plan tables a plugin owns (``[sweep]`` of ``ftcore sweep``, ``[track]``, ...); not
+    one another plugin owns, nor one of the core's (``model``, ``stage``, ...).
 
-    :param register: call ``register(cls)`` for each :class:`ftcore.component.PlanSection` subclass,
-        with ``name`` (the table's name), ``Options`` (its keys, or a ``parse(table, problem)``
-        classmethod), ``fingerprint`` (whether it is part of the run's identity) and optionally
-        ``check(plan)``, ``launch(plan, argv)`` and ``on_main(fn)``. Two plugins may not own one
-        table, nor a plugin one of the core's (``model``, ``stage``, ...).
+    :param register: call ``register(cls)`` for each :class:`ftcore.component.PlanSection` subclass, with
+        ``name`` (the table's name), ``Options`` (its keys) or a ``parse`` classmethod, ``fingerprint`` and
+        optionally ``check(plan)``, ``components()``, ``launch(plan, argv)`` and ``on_main(fn)``.
     """
 
 
 @hookspec
 def ftcore_preflight(plan: Any) -> list[str]:
-    """Called by ``ftcore run`` before the run folder is made or a weight is read, after the model
-    loader's own ``preflight(plan)``: checks of what the model's shapes decide (the built-in one
-    checks each ``max_length`` against the model's context and each stage's adapter on the meta
-    device). Return problems as ``"key: message"``, the key from the plan's top (``stage[0].max_length``);
-    ``ftcore run`` reports them all, one line each, and exits 2.
+    """Called by ``ftcore run`` before the run folder is made or a weight is read: checks of the model
+    (the built-in one calls the loader's own ``preflight(plan)``, then checks each ``max_length`` against
+    the model's context and each stage's adapter on the meta device). Return problems as ``"key:
+    message"``, the key from the plan's top (``stage[0].max_length``); ``ftcore run`` reports them all,
+    one line each, and exits 2.
 
     :param plan: the validated :class:`ftcore.plan.Plan` about to run.
+    """
+
+
+@hookspec
+def ftcore_prepare_data(run: Any, stages: list[Any], load_data: Callable[[str], Any]) -> None:
+    """Called by ``ftcore run`` once it has read the data of the stages still to train and of the
+    evaluations, before the model loads: the built-in one (``ftcore_plugins.commands.prepare``) has each
+    stage's trainer prepare its rows as ``ftcore prepare`` does. Raise to stop the run there (a bad row:
+    :class:`ftcore.errors.FtcoreError`, exit 2).
+
+    :param run: the :class:`ftcore.context.RunInfo` of this run; ``run.reporter`` is set.
+    :param stages: the :class:`ftcore.plan.Stage` objects still to train, in order.
+    :param load_data: ``load_data(ref)``: the plan's data ``name`` or ``name:split``, as the run reads it (cached).
     """
 
 

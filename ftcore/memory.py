@@ -1,16 +1,10 @@
 """Measured memory, as the runner records it at each step: process RSS and its peak from /proc, and
 CUDA memory when torch is already loaded; and handing freed heap back to the system. Nothing here
-imports torch. The plugins' memory helpers (mapped pages, available memory) are in
-``ftcore_plugins.common.memory``.
-
-The peak is per step: ``reset_peak()`` clears the kernel's high-water mark (VmHWM) by
-writing 5 to /proc/self/clear_refs, and CUDA's peak statistics when CUDA is in use.
-"""
+imports torch; the plugins' memory helpers are in ``ftcore_plugins.common.memory``. The peak is per
+step: ``reset_peak()`` clears the kernel's high-water mark (VmHWM) and CUDA's peak statistics."""
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,8 +13,7 @@ MiB = 2**20
 
 
 def status() -> dict[str, int]:
-    """VmRSS, VmHWM and RssFile (the file-backed part of VmRSS) in bytes, from /proc/self/status
-    (Linux)."""
+    """VmRSS, VmHWM and RssFile (its file-backed part) in bytes, from /proc/self/status (Linux)."""
     out = {}
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -73,9 +66,3 @@ def snapshot() -> dict[str, Any]:
         out["cuda_peak_allocated_mib"] = round(torch.cuda.max_memory_allocated() / MiB, 1)
     return out
 
-
-def gpu_visible() -> bool:
-    """Whether this machine shows a CUDA/ROCm device (its device files), without importing torch."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))

@@ -1,12 +1,10 @@
-"""The typed plan: a TOML file, checked whole against the installed components.
-
-Every problem is collected and reported at once, one line each, as
-``<file>: <key path>: <what is wrong>``.
-"""
+"""The typed plan: a TOML file, checked whole against the installed components. Every problem is
+collected and reported at once, one line each, as ``<file>: <key path>: <what is wrong>``."""
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import re
 import sys
@@ -16,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import PlanError, did_you_mean, unknown_choice
+from .errors import PlanError, did_you_mean, one_line, unknown_choice
 from .registry import Registration, Registry
 from .types import file_in_the_way
 
@@ -26,8 +24,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 # The core's tables; plugins add theirs through register_plan_sections.
-TOP_LEVEL = ("requires", "run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate",
-             "export", "track")
+TOP_LEVEL = ("run", "model", "quantizer", "template", "adapter", "data", "reward", "stage", "evaluate", "export")
 RUN_KEYS = {"name": str, "seed": int, "output_dir": str}
 SEED_MAX = 2**32 - 1  # numpy's seeds, which every trainer sets with torch's, are 0 ... 2**32 - 1
 STAGE_KEYS = ("name", "trainer", "data", "eval_data", "adapter")
@@ -109,7 +106,6 @@ class Plan:
     run_name: str
     seed: int
     output_dir: Path
-    requires: list[str]
     model: Selected
     quantizer: Selected
     template: Selected
@@ -118,7 +114,6 @@ class Plan:
     evaluations: list[Evaluation]
     exports: list[Export]
     rewards: dict[str, Selected]
-    trackers: list[Selected]
     shown: str = ""  # the plan file as the user named it, for messages
     sections: dict[str, Any] = field(default_factory=dict)  # name -> PlanSection: the tables plugins own
     registry: Registry | None = None  # what the plan was checked against
@@ -135,6 +130,11 @@ class Plan:
         return f"{self.shown or self.path}: {key}: {message}"
 
     @property
+    def trackers(self) -> list[Selected]:
+        """The trackers the plugins' tables select (``[track]``): the runner registers them for the run."""
+        return [c for s in self.sections.values() for c in s.components() if c.reg.kind == "tracker"]
+
+    @property
     def base_dir(self) -> Path:
         return self.path.parent
 
@@ -147,9 +147,8 @@ class Plan:
         return redact(self.raw)
 
     def fingerprint(self) -> str:
-        """Identity of the plan's content, ignoring formatting and comments. A plugin's table whose
-        section says ``fingerprint = False`` is left out (``[distributed]``: a run may be resumed on
-        other hardware; ``[sweep]``, which a run does not read)."""
+        """Identity of the plan's content, ignoring formatting, comments and the plugins' tables whose
+        section says ``fingerprint = False``."""
         content = {k: v for k, v in self.raw.items() if k not in self.sections or self.sections[k].fingerprint}
         blob = json.dumps(content, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
@@ -215,6 +214,7 @@ class _Checker:
         self.base_dir = base_dir
         self.registry = registry
         self.problems: list[str] = []
+        self.refs: dict[str, Any] = {}  # what options typed StageRef and RewardRef may name, while checked
 
     def problem(self, key: str, message: str) -> None:
         line = f"{self.shown}: {key}: {message}" if key else f"{self.shown}: {message}"
@@ -229,7 +229,7 @@ class _Checker:
                 self.problem(key, f"missing required table [{key}]")
             return None
         if not isinstance(value, dict):
-            self.problem(key, f"must be a table ([{key}]), got {_type(value)}")
+            self.problem(key, f"must be a table ([{key}]), got {type_name(value)}")
             return None
         return value
 
@@ -238,7 +238,7 @@ class _Checker:
         if isinstance(value, dict):
             value = [value]  # [export] written once instead of [[export]]
         if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-            self.problem(key, f"must be an array of tables ([[{key}]]), got {_type(value)}")
+            self.problem(key, f"must be an array of tables ([[{key}]]), got {type_name(value)}")
             return []
         return value
 
@@ -249,7 +249,7 @@ class _Checker:
                 self.problem(path, "missing required key")
             return None
         if not isinstance(value, str) or not value:
-            self.problem(path, f"must be a non-empty string, got {_type(value)}")
+            self.problem(path, f"must be a non-empty string, got {type_name(value)}")
             return None
         return value
 
@@ -259,7 +259,7 @@ class _Checker:
         if isinstance(section, str):  # shorthand: adapter = "full"
             section = {name_key: section}
         if section is not None and not isinstance(section, dict):
-            self.problem(key, f"must be a table or a name, got {_type(section)}")
+            self.problem(key, f"must be a table or a name, got {type_name(section)}")
             return None
         section = dict(section or {})
         if name_key not in section and default is not None:
@@ -267,38 +267,35 @@ class _Checker:
         name = self.string(section, name_key, f"{key}.{name_key}", required=True)
         if name is None:
             return None
+        return self.select(kind, name, key, {k: v for k, v in section.items() if k not in core_keys}, core_keys,
+                           name_key)
+
+    def select(self, kind: str, name: str, key: str, raw: dict, core_keys: tuple = (),
+               name_key: str | None = None) -> Selected | None:
+        """The component ``name`` of ``kind``, its options ``raw`` checked, as the plan selects it at ``key``;
+        None once the problem is reported (an unknown name at ``key.<name_key>``, or at ``key``)."""
         try:
             reg = self.registry.resolve(kind, name)
         except LookupError as exc:
-            self.problem(f"{key}.{name_key}", str(exc))
+            self.problem(f"{key}.{name_key}" if name_key else key, str(exc))
             return None
-        options_raw = {k: v for k, v in section.items() if k not in core_keys}
-        options = self.options(reg, key, options_raw, core_keys)
-        if options is None:
-            return None
-        return Selected(key, reg, options, name)
+        options = self.options(reg, key, raw, core_keys)
+        return None if options is None else Selected(key, reg, options, name)
 
     def options(self, reg: Registration, key: str, raw: dict, core_keys: tuple) -> BaseModel | None:
-        model: type[BaseModel] = reg.cls.Options
-        fields = set()
-        for fname, finfo in model.model_fields.items():
-            fields.add(finfo.alias or fname)
-        bad = False
-        for k in raw:
-            if k not in fields:
-                valid = sorted(fields | set(core_keys))
-                self.problem(f"{key}.{k}", _unknown_key(f"unknown key for {reg.kind} '{reg.name}'", k, valid))
-                bad = True
-        if bad:
-            return None
-        return self.validated(model, key, raw, reg)
+        fields = {info.alias or name for name, info in reg.cls.Options.model_fields.items()}
+        unknown = [k for k in raw if k not in fields]
+        for k in unknown:
+            self.problem(f"{key}.{k}", _unknown_key(f"unknown key for {reg.kind} '{reg.name}'", k,
+                                                    fields | set(core_keys)))
+        return None if unknown else self.validated(reg.cls.Options, key, raw, reg)
 
     def validated(self, model: type[BaseModel], key: str, raw: dict, reg: Registration | None) -> BaseModel | None:
         try:
             # Strict, as TOML is typed: "8" is not an int, "yes" not a bool. JSON mode still takes
             # strings for paths; TOML dates (which JSON lacks) arrive as strings and fail as such.
             return model.model_validate_json(json.dumps(raw, default=str), strict=True,
-                                             context={"base_dir": self.base_dir})
+                                             context={"base_dir": self.base_dir, **self.refs})
         except ValidationError as exc:
             by_key: dict[str, list[str]] = {}
             for err in exc.errors():
@@ -309,9 +306,8 @@ class _Checker:
         except Exception as exc:  # a validator that crashed: the plugin's bug, not the plan's
             if reg is None:
                 raise
-            first = (str(exc).strip().splitlines() or [""])[0]
             self.problem(key, f"{reg.kind} '{reg.name}' from {reg.who()} failed validating its options: "
-                              f"{type(exc).__name__}: {first}")
+                              f"{one_line(exc)}")
             return None
 
     # -- the plan ----------------------------------------------------------------------
@@ -324,14 +320,12 @@ class _Checker:
         for k in set(overrides) - set(owned):
             self.problem(k, f"no installed plugin owns the table [{k}]")
 
-        requires = self.requires(raw.get("requires", []))
-
         run = self.table(raw, "run") or {}
         for k, v in run.items():
             if k not in RUN_KEYS:
                 self.problem(f"run.{k}", _unknown_key("unknown key", k, RUN_KEYS))
             elif not isinstance(v, RUN_KEYS[k]) or isinstance(v, bool):
-                self.problem(f"run.{k}", f"must be {RUN_KEYS[k].__name__}, got {_type(v)}")
+                self.problem(f"run.{k}", f"must be {RUN_KEYS[k].__name__}, got {type_name(v)}")
             elif k == "seed" and not 0 <= v <= SEED_MAX:
                 self.problem("run.seed", f"must be between 0 and {SEED_MAX} (2**32 - 1), got {v}")
         run_name = run.get("name") if isinstance(run.get("name"), str) else path.stem
@@ -355,37 +349,16 @@ class _Checker:
         template = self.component("chat template", "template", raw.get("template"), default=DEFAULTS["template"])
         default_adapter = raw.get("adapter", DEFAULTS["adapter"])
         if not isinstance(default_adapter, (str, dict)):
-            self.problem("adapter", f"must be a table or a name, got {_type(default_adapter)}")
+            self.problem("adapter", f"must be a table or a name, got {type_name(default_adapter)}")
             default_adapter = DEFAULTS["adapter"]
         # The top-level [adapter], checked once where it is written: its problems are "adapter.<key>",
         # not one line per stage that uses it.
         shared_adapter = self.component("adapter", "adapter", default_adapter, default=DEFAULTS["adapter"]) \
             if "adapter" in raw else None
 
-        data: dict[str, Selected] = {}
-        data_table = self.table(raw, "data") or {}
-        for name, section in data_table.items():
-            if not isinstance(section, dict):
-                self.problem(f"data.{name}", f"must be a table ([data.{name}]), got {_type(section)}")
-                continue
-            sel = self.component("data source", f"data.{name}", section)
-            if sel:
-                data[name] = sel
-        data_names = set(data_table)
+        data, data_names = self.named(raw, "data", "data source")
         data_readable = isinstance(raw.get("data", {}), dict)  # else references to it say nothing new
-
-        rewards: dict[str, Selected] = {}
-        reward_table = self.table(raw, "reward") or {}
-        reward_names = set(reward_table)  # defined, valid or not: references to them hold
-        for name, section in reward_table.items():
-            if not isinstance(section, dict):
-                self.problem(f"reward.{name}", f"must be a table ([reward.{name}]), got {_type(section)}")
-                continue
-            sel = self.component("reward function", f"reward.{name}", section)
-            if sel:
-                rewards[name] = sel
-
-        trackers = self.trackers(raw.get("track"))
+        rewards, reward_names = self.named(raw, "reward", "reward function")  # a reference to any name written holds
 
         def data_ref(section: dict, key: str, path: str, required: bool) -> str | None:
             """``name`` (its train split) or ``name:split``, e.g. ``chat:validation``."""
@@ -412,7 +385,9 @@ class _Checker:
                                   "not [stage]")
         for i, section in enumerate(self.tables(raw, "stage") if not isinstance(raw.get("stage"), dict) else []):
             key = f"stage[{i}]"
+            self.refs = {"stages": [s.name for s in stages], "rewards": reward_names}
             trainer = self.component("trainer", key, section, core_keys=STAGE_KEYS, name_key="trainer")
+            self.refs = {}
             name = section.get("name") or f"{i}-{trainer.name if trainer else 'stage'}"
             if name in PHASES:
                 self.problem(f"{key}.name", f"{name!r} is reserved for evaluation phases; name the stage otherwise")
@@ -426,8 +401,6 @@ class _Checker:
                 adapter = shared_adapter and Selected("adapter", shared_adapter.reg,
                                                       shared_adapter.options.model_copy(deep=True),
                                                       shared_adapter.written)
-            if trainer:
-                self.check_references(trainer, key, [s.name for s in stages], reward_names)
             if trainer and adapter and ref:
                 stages.append(Stage(i, str(name), trainer, ref, eval_ref, adapter))
 
@@ -449,12 +422,10 @@ class _Checker:
             ex = self.component("exporter", key, section, core_keys=EXPORT_KEYS)
             out = section.get("path")
             if out is not None and not isinstance(out, str):
-                self.problem(f"{key}.path", f"must be a string, got {_type(out)}")
+                self.problem(f"{key}.path", f"must be a string, got {type_name(out)}")
                 out = None
-            elif out is not None and file_in_the_way((self.base_dir / out).resolve().parent) is not None:
-                self.problem(f"{key}.path", f"cannot write {out}: "
-                                            f"{file_in_the_way((self.base_dir / out).resolve().parent)} is a file, "
-                                            f"not a folder")
+            elif out is not None and (blocker := file_in_the_way((self.base_dir / out).resolve().parent)):
+                self.problem(f"{key}.path", f"cannot write {out}: {blocker} is a file, not a folder")
                 out = None
             name = section.get("name") or (ex.name if ex else None)
             if name is not None and self.unique_name(name, f"{key}.name", "export", seen) and ex:
@@ -462,18 +433,18 @@ class _Checker:
 
         if self.problems or model is None or quantizer is None or template is None:
             return None
-        plan = Plan(path, raw, run_name, seed, output_dir, requires, model, quantizer, template, data,
-                    stages, evaluations, exports, rewards, trackers, self.shown, sections, self.registry)
+        plan = Plan(path, raw, run_name, seed, output_dir, model, quantizer, template, data,
+                    stages, evaluations, exports, rewards, self.shown, sections, self.registry)
         # Cross-checks a component makes against the whole plan (cheap: nothing is loaded).
         for sel in [model, quantizer, template, *data.values(), *(s.trainer for s in stages),
                     *(s.adapter for s in stages), *(e.evaluator for e in evaluations),
-                    *(e.exporter for e in exports), *rewards.values(), *trackers]:
+                    *(e.exporter for e in exports), *rewards.values(),
+                    *(c for section in sections.values() for c in section.components())]:
             try:
                 messages = sel.create().check(plan)
             except Exception as exc:  # a plugin bug, reported as such rather than as a traceback
-                first = (str(exc).strip().splitlines() or [""])[0]
                 self.problem(sel.key, f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in check(): "
-                                      f"{type(exc).__name__}: {first}")
+                                      f"{one_line(exc)}")
                 continue
             self.problems_of(sel.key, messages)
         # Then the plugins' tables, against a plan otherwise valid ([sweep] checks its values in it).
@@ -483,18 +454,23 @@ class _Checker:
                 try:
                     self.problems_of(name, section.check(plan))
                 except Exception as exc:  # a plugin bug, reported as such rather than as a traceback
-                    self.problem(name, f"plan section [{name}] from {reg.who()} failed in check(): "
-                                       f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+                    self.problem(name, f"plan section [{name}] from {reg.who()} failed in check(): {one_line(exc)}")
         return plan
 
+    def named(self, raw: dict, table: str, kind: str) -> tuple[dict[str, Selected], set[str]]:
+        """``[<table>.<name>]`` tables, each a component of ``kind``: the valid ones, and every name written."""
+        tables = self.table(raw, table) or {}
+        selected = {}
+        for name, section in tables.items():
+            if not isinstance(section, dict):
+                self.problem(f"{table}.{name}", f"must be a table ([{table}.{name}]), got {type_name(section)}")
+            elif sel := self.component(kind, f"{table}.{name}", section):
+                selected[name] = sel
+        return selected, set(tables)
+
     def problems_of(self, key: str, messages: list[str]) -> None:
-        """A component's or a section's problems, ``"sub.key: message"`` or a message for all of ``key``."""
         for msg in messages:
-            sub = _SUBKEY.match(msg)
-            if sub:
-                self.problem(f"{key}.{sub.group(1)}", msg[sub.end():])
-            else:
-                self.problem(key, msg)
+            self.problem(*subkey(key, msg))
 
     def sections(self, raw: dict, overrides: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The tables plugins own: each installed section with its table read (``None`` if not written)."""
@@ -511,10 +487,11 @@ class _Checker:
             parse = getattr(cls, "parse", None)
             if table is None:
                 options = None
-            elif parse is not None:
-                options = parse(table, self.problem)
+            elif parse is not None:  # with select(kind, name, key, options) for a table that selects components
+                takes_select = len(inspect.signature(parse).parameters) > 2
+                options = parse(table, self.problem, *([self.select] if takes_select else []))
             elif not isinstance(table, dict):
-                self.problem(name, f"must be a table ([{name}]), got {_type(table)}")
+                self.problem(name, f"must be a table ([{name}]), got {type_name(table)}")
                 options = None
             else:
                 fields = {info.alias or f for f, info in cls.Options.model_fields.items()}
@@ -523,51 +500,6 @@ class _Checker:
                 options = self.validated(cls.Options, name, {k: v for k, v in table.items() if k in fields}, None)
             out[name] = cls(options)
         return out
-
-    def trackers(self, value: Any) -> list[Selected]:
-        """``track = ["tensorboard", "mlflow"]``, or ``[track.mlflow]`` tables with options."""
-        if value is None:
-            return []
-        listed = isinstance(value, list)
-        if listed and all(isinstance(v, str) for v in value):
-            value = {v: {} for v in value}
-        if not isinstance(value, dict):
-            self.problem("track", f"must be a list of tracker names or [track.<name>] tables, got {_type(value)}")
-            return []
-        out = []
-        for i, (name, section) in enumerate(value.items()):
-            key = f"track[{i}]" if listed else f"track.{name}"
-            if not isinstance(section, dict):
-                self.problem(key, f"must be a table ([track.{name}]), got {_type(section)}")
-                continue
-            try:
-                reg = self.registry.resolve("tracker", name)
-            except LookupError as exc:
-                self.problem(key, str(exc))
-                continue
-            options = self.options(reg, key, section, ())
-            if options is not None:
-                out.append(Selected(key, reg, options))
-        return out
-
-    def check_references(self, sel: Selected, key: str, earlier: list[str], rewards: set[str]) -> None:
-        """Options that name an earlier stage or a [reward.<name>] must name one that exists."""
-        from .types import references
-
-        for field, info in type(sel.options).model_fields.items():
-            kind = references(info.annotation, info.metadata)
-            value = getattr(sel.options, field)
-            if kind is None or value is None:
-                continue
-            for i, ref in enumerate(value if isinstance(value, list) else [value]):
-                path = f"{key}.{info.alias or field}" + (f"[{i}]" if isinstance(value, list) else "")
-                if kind == "stage" and ref not in earlier:
-                    self.problem(path, f"no earlier stage is named {ref!r}"
-                                       + (f"; earlier stages: {', '.join(earlier)}" if earlier else
-                                          "; it must name a [[stage]] that runs before this one"))
-                elif kind == "reward" and ref not in rewards:
-                    self.problem(path, unknown_choice("reward", ref, rewards).replace("unknown reward", "undefined reward")
-                                 + f" (define it as [reward.{ref}])")
 
     def folder_name(self, name: Any, path: str) -> bool:
         if isinstance(name, str) and _FOLDER.match(name):
@@ -586,8 +518,7 @@ class _Checker:
         return True
 
     def phases(self, value: Any, path: str, stages: list[str]) -> tuple[str, ...]:
-        """``when``: "before", "after", "both", a stage name, or a list of these, as phases in run order.
-        Naming the last stage is the same as "after"."""
+        """``when`` as phases in run order; naming the last stage is the same as "after"."""
         items = value if isinstance(value, list) else [value]
         if not items or not all(isinstance(v, str) for v in items):
             self.problem(path, f"must be \"before\", \"after\", \"both\", a stage name or a list of them, "
@@ -606,30 +537,12 @@ class _Checker:
                              + " (a stage name means: right after that stage)")
         return tuple(p for p in phase_order(stages) if p in wanted)
 
-    def requires(self, value: Any) -> list[str]:
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            self.problem("requires", f"must be a list of requirement strings, got {_type(value)}")
-            return []
-        from importlib.metadata import PackageNotFoundError, version
 
-        from packaging.requirements import InvalidRequirement, Requirement
-
-        for i, text in enumerate(value):
-            try:
-                req = Requirement(text)
-            except InvalidRequirement as exc:
-                reason = str(exc).splitlines()[0]  # packaging adds the text and a caret on further lines
-                self.problem(f"requires[{i}]", f"not a valid requirement {text!r}: {reason}")
-                continue
-            try:
-                have = version(req.name)
-            except PackageNotFoundError:
-                self.problem(f"requires[{i}]", f"{req.name} is not installed; install it with: pip install '{text}'")
-                continue
-            if req.specifier and not req.specifier.contains(have, prereleases=True):
-                self.problem(f"requires[{i}]", f"{req.name} {have} is installed but the plan needs '{text}'; "
-                                               f"upgrade with: pip install '{text}'")
-        return list(value)
+def subkey(key: str, message: str) -> tuple[str, str]:
+    """A problem as ``check()`` words it, ``"sub.key: ..."`` or a message for all of ``key``, as the plan
+    key it is under and the message: ``("model.path", "...")``."""
+    sub = _SUBKEY.match(message)
+    return (f"{key}.{sub.group(1)}" if key else sub.group(1), message[sub.end():]) if sub else (key, message)
 
 
 def _splits(sel: Selected) -> list[str]:
@@ -649,28 +562,25 @@ def _loc(loc: tuple) -> str:
                    if isinstance(p, int) or str(p).isidentifier())
 
 
-def _type(value: Any) -> str:
+def type_name(value: Any) -> str:
     return {dict: "a table", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
             float: "a float"}.get(type(value), type(value).__name__)
 
 
 def _pydantic_message(err: dict) -> str:
-    kind = err.get("type", "")
-    if kind == "missing":
+    if err.get("type") == "missing":
         return "missing required key"
-    msg = err.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    if "input" in err and kind not in ("missing",) and not isinstance(err["input"], dict):
-        return f"{msg[0].lower()}{msg[1:]} (got {err['input']!r})"
-    return f"{msg[0].lower()}{msg[1:]}"
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    msg = msg[0].lower() + msg[1:]
+    if err.get("type") == "reference" or "input" not in err or isinstance(err["input"], dict):
+        return msg  # a reference's message names what the plan has instead
+    return f"{msg} (got {err['input']!r})"
 
 
 def redact(value: Any) -> Any:
     """``value`` (a plan, a section, tags) with secrets replaced by ``***``: the value of a key that names
-    one (``token``, ``api_key``, ``password``, ...) and any string shaped like a known access token
-    (Hugging Face ``hf_...``, OpenAI ``sk-...``, GitHub, Slack), whatever its key; the password of a
-    URL (``postgresql://user:***@host/db``, a sweep's storage)."""
+    one (``token``, ``api_key``, ...), any string shaped like a known access token (``hf_...``, ``sk-...``,
+    GitHub, Slack) and the password of a URL (``postgresql://user:***@host/db``)."""
     if isinstance(value, dict):
         return {k: ("***" if _SECRET.search(str(k)) and v else redact(v)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -1,7 +1,5 @@
-"""The plugin manager: built-in plugins, entry-point plugins, and the component registry.
-
-Nothing here runs at import time; call :func:`get_plugin_manager`.
-"""
+"""The plugin manager: built-in plugins, entry-point plugins, and the component registry. Nothing here
+runs at import time; call :func:`get_plugin_manager`."""
 
 from __future__ import annotations
 
@@ -12,19 +10,18 @@ import inspect
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pluggy
 
 from . import __version__, hookspecs
 from .component import KINDS
-from .errors import FtcoreError, did_you_mean
+from .errors import FtcoreError, did_you_mean, one_line, warn
 from .registry import Registration, Registry
 
 ENTRY_POINT_GROUP = "ftcore"
-
 
 
 def __getattr__(name: str) -> tuple[str, ...]:
@@ -176,15 +173,10 @@ def get_plugin_manager(
     *, builtins: bool = True, entry_points: bool = True, components: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> PluginManager:
-    """Build a fresh plugin manager with the built-in and installed plugins.
-
-    ``components=False`` imports the built-in commands alone (for the command line's parser,
-    which must stay fast); entry-point plugins are loaded either way.
-
-    ``FTCORE_LOAD_PLUGINS`` (comma-separated entry-point or distribution names) loads
-    only those third-party plugins; ``FTCORE_DISABLE_PLUGINS`` skips the ones named,
-    built-in module paths included.
-    """
+    """Build a fresh plugin manager with the built-in and installed plugins. ``components=False`` imports
+    the built-in commands alone (the command line's parser must stay fast); entry-point plugins are loaded
+    either way. ``FTCORE_LOAD_PLUGINS`` (entry-point or distribution names, comma-separated) loads only
+    those third-party plugins; ``FTCORE_DISABLE_PLUGINS`` skips the ones named, built-in modules included."""
     env = os.environ if env is None else env
     allow = _name_set(env.get("FTCORE_LOAD_PLUGINS"))
     block = _name_set(env.get("FTCORE_DISABLE_PLUGINS")) or set()
@@ -229,16 +221,6 @@ def get_plugin_manager(
     return pm
 
 
-_warned: set[str] = set()
-
-
-def warn(problem: str) -> None:
-    """Print a plugin problem once per process, however many plugin managers meet it."""
-    if problem not in _warned:
-        _warned.add(problem)
-        print(f"warning: {problem}", file=sys.stderr)
-
-
 def plugins_with_warnings(quiet: bool = False) -> tuple[PluginManager, Registry]:
     """Every plugin and the component registry, each plugin problem printed once as a warning."""
     pm = get_plugin_manager()
@@ -266,24 +248,15 @@ def _check_component(cls: object, methods: tuple[str, ...], base_model: type) ->
 
 def _builtin_package() -> Any:
     """``ftcore_plugins``, which lists the built-in plugins by module path: ``COMPONENTS`` (and plan
-    sections), then ``COMMANDS``. They register through the hooks a third party uses."""
-    _ensure_builtin_package()
+    sections), then ``COMMANDS``. In a plain source checkout (no install) it is ``plugins/``."""
+    if "ftcore_plugins" not in sys.modules and importlib.util.find_spec("ftcore_plugins") is None:
+        folder = Path(__file__).resolve().parent.parent / "plugins"
+        spec = importlib.util.spec_from_file_location("ftcore_plugins", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ftcore_plugins"] = module
+        spec.loader.exec_module(module)
     return importlib.import_module("ftcore_plugins")
-
-
-def _ensure_builtin_package() -> None:
-    """Make ``ftcore_plugins`` importable from a plain source checkout (no install)."""
-    if "ftcore_plugins" in sys.modules or importlib.util.find_spec("ftcore_plugins") is not None:
-        return
-    folder = Path(__file__).resolve().parent.parent / "plugins"
-    spec = importlib.util.spec_from_file_location(
-        "ftcore_plugins", folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ftcore_plugins"] = module
-    spec.loader.exec_module(module)
 
 
 def _spec_names(pm: pluggy.PluginManager) -> list[str]:
@@ -294,11 +267,6 @@ def _who(info: PluginInfo) -> str:
     return f"plugin '{info.name}' ({info.dist} {info.version})"
 
 
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def _normalize(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
@@ -306,6 +274,5 @@ def _normalize(name: str) -> str:
 def _name_set(value: str | None) -> set[str] | None:
     if value is None:
         return None
-    return {_normalize(v.strip()) for v in value.split(",") if v.strip()} | {
-        v.strip() for v in value.split(",") if v.strip()
-    }
+    names = {v.strip() for v in value.split(",") if v.strip()}
+    return names | {_normalize(v) for v in names}

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass, field
 
 from .component import KINDS
-from .errors import unknown_choice
+from .errors import unknown_choice, warn
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 BUILTIN_DIST = "ftcore"  # the distribution of the built-in components
-
-_warned: set[str] = set()  # each shadowing warning once per process, however many registries meet it
 
 
 @dataclass(frozen=True)
@@ -40,13 +37,10 @@ class Registration:
 
 @dataclass
 class Registry:
-    """All registered components, by kind and name.
-
-    Two plugins may register the same name. When one of them is built in, the bare name
-    keeps meaning the built-in (with a warning naming the other and how to select it), so a
-    plugin cannot break plans that use the built-in. Between two third-party components the
-    bare name is an error. The qualified ``dist:name`` always picks one.
-    """
+    """All registered components, by kind and name. When two plugins register one name, the bare name
+    means the built-in, if one is (with a warning naming the other and how to select it), so a plugin
+    cannot break plans that use the built-in; between two third parties it is an error. The qualified
+    ``dist:name`` always picks one."""
 
     entries: dict[str, dict[str, list[Registration]]] = field(
         default_factory=lambda: {k: {} for k in KINDS}
@@ -118,9 +112,7 @@ class Registry:
     def _notice(self, message: str) -> None:
         if message not in self.notices:
             self.notices.append(message)
-        if message not in _warned:
-            _warned.add(message)
-            print(f"warning: {message}", file=sys.stderr)
+        warn(message)
 
 
 def _norm(dist: str) -> str:

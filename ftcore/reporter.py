@@ -75,8 +75,6 @@ class Reporter:
             return
         from rich.table import Table
 
-        from .summary import format_value
-
         table = Table(title=title, title_justify="left")
         for i, col in enumerate(columns):
             table.add_column(col, justify="left" if i == 0 else "right")
@@ -110,6 +108,13 @@ class Reporter:
         with RichProgress(*columns, console=self.console, transient=False, refresh_per_second=2) as bar:
             task = bar.add_task(description, total=total, note="")
             yield Progress(bar, task)
+
+
+def format_value(v: Any) -> str:
+    """How every table ftcore prints or writes shows a value: floats to 4 significant digits, None blank."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
 
 
 def _plain(message: str) -> str:

@@ -1,9 +1,6 @@
-"""The stage runner: plan -> model -> before-evaluation -> stages -> after-evaluation -> exports.
-
-The runner only calls components; every piece of ML lives in a plugin. Each step
-leaves a marker in the run directory so ``--resume`` can skip what is done and
-rebuild the model a later step needs from the saved stage outputs.
-"""
+"""The stage runner: plan -> model -> before-evaluation -> stages -> after-evaluation -> exports. It only
+calls components. Each step leaves a marker in the run directory so ``--resume`` can skip what is done
+and rebuild the model a later step needs from the saved stage outputs."""
 
 from __future__ import annotations
 
@@ -20,12 +17,10 @@ from typing import Any
 
 from . import memory, rundir
 from .context import AdapterContext, DataContext, EvalContext, ExportContext, LoadContext, RunInfo, StageContext
-from .errors import ComponentError, FtcoreError, PlanError
-from .plan import _SUBKEY, Plan, Selected, Stage, phase_order
+from .errors import ComponentError, FtcoreError, PlanError, one_line
+from .plan import Plan, Selected, Stage, phase_order, subkey
 from .plugins import PluginManager
 from .reporter import Reporter
-
-log = logging.getLogger("ftcore")
 
 
 @dataclass
@@ -76,7 +71,10 @@ class Runner:
 
     # -- the run -------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        self._preflight()
+        # The plugins' checks of the model (ftcore_preflight), before the run folder is made or a weight is read.
+        problems = self._checks("ftcore_preflight", plan=self.plan)
+        if problems:
+            raise PlanError([self.plan.problem(*subkey("", m)) for m in problems])
         # Rank 0 alone applies the run-directory rules; the others wait for its decision before they read
         # ([distributed]'s on_main shares it).
         decide = self._prepare
@@ -91,111 +89,49 @@ class Runner:
             self.reporter.info(note)
         manifest = self._write_manifest(status="running")
         self.reporter.attempt = 1 + len(manifest.get("resumed_at", []))
+        error: BaseException | None = None
         try:
             self._start_trackers()
             self._notify("ftcore_run_start", run=self.info)
             memory.reset_peak()
             self._measure("baseline")
             self._steps()
-        except BaseException as exc:
+            summary = self._summary()
             if self.info.is_main:
-                rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": rundir.run_status(exc),
-                                                                   "ended_at": rundir.now(), "error": str(exc)[:500]})
-            self._notify("ftcore_run_end", run=self.info, error=exc)
+                rundir.write_json(self.run_dir / "summary.json", summary)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if self.info.is_main:  # complete: the hardware again, as accelerators are known once torch is imported
+                ended = {"error": str(error)[:500]} if error is not None else {"hardware": rundir.hardware()}
+                rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": rundir.run_status(error),
+                                                                   "ended_at": rundir.now(), **ended})
+            self._notify("ftcore_run_end", run=self.info, error=error)
             self._stop_trackers()
             self._close_log(handler)
-            raise
-        summary = self._summary()
-        if self.info.is_main:
-            rundir.write_json(self.run_dir / "summary.json", summary)
-            # Hardware again: accelerators are known only once a plugin has imported torch.
-            rundir.write_json(self.run_dir / rundir.MANIFEST, {**manifest, "status": "complete",
-                                                               "ended_at": rundir.now(),
-                                                               "hardware": rundir.hardware()})
-        self._notify("ftcore_run_end", run=self.info, error=None)
-        self._stop_trackers()
-        self._close_log(handler)
         return summary
 
-    def _preflight(self) -> None:
-        """What the model's files and shapes decide, checked before the run folder is made or a weight is
-        read. First the loader's own ``preflight()``, if it has one: what its files and config say (a
-        folder that holds no model, a truncated weights file, an unknown architecture, heads that do not
-        divide the width), as problems like ``check()``'s (``"path: ..."``, under the loader's key). Then
-        the plugins' ``ftcore_preflight(plan)``: the built-in one (``ftcore_plugins.models.preflight``)
-        checks each ``max_length`` against the model's context and applies each stage's adapter to the
-        model on the meta device."""
-        loader = self.plan.model.create()
-        preflight = getattr(loader, "preflight", None)
-        if preflight is not None:
-            with calling(self.plan.model, "preflight"):
-                messages = preflight(self.plan)
-            if messages:
-                raise PlanError([self.plan.problem(*_subkey(self.plan.model.key, m)) for m in messages])
+    def _checks(self, hook: str, **kwargs: Any) -> list[str]:
+        """Each plugin's ``hook`` in registration order, the problems they return together; a plugin
+        that raises stops the run, its bug named as such."""
         problems = []
-        for impl in reversed(self.pm.hook.ftcore_preflight.get_hookimpls()):  # registration order
+        for impl in reversed(getattr(self.pm.hook, hook).get_hookimpls()):
             try:
-                found = impl.function(plan=self.plan) or []
-            except (FtcoreError, KeyboardInterrupt):
+                problems += impl.function(**kwargs) or []
+            except (FtcoreError, ComponentError, KeyboardInterrupt):
                 raise
-            except Exception as exc:  # a plugin's bug, named as such
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise ComponentError(f"plugin '{impl.plugin_name}' failed in ftcore_preflight: "
-                                     f"{type(exc).__name__}: {first}") from exc
-            problems += [self.plan.problem(*_subkey("", m)) for m in found]
-        if problems:
-            raise PlanError(problems)
-
-    def _check_data(self, stages: list[Stage]) -> None:
-        """Before the model loads: read the data of the stages still to train and of the evaluations (each
-        source once; the stages and evaluations reuse what is read here), then have each stage's trainer
-        prepare its rows as ``ftcore prepare`` does, with the run's tokenizer and template on a model built
-        on the meta device (no weights read). A bad row, or data a trainer refuses, stops the run here,
-        not after the model loaded; the prepared rows wait in the cache of tokenized data, where the
-        stage finds them. A loader that cannot give its tokenizer without the weights skips the second
-        part (and so does a distributed run, whose ranks prepare their data as they train)."""
-        refs = [ref for s in stages for ref in (s.data, s.eval_data) if ref]
-        refs += [e.data for e in self.plan.evaluations if e.data]
-        for ref in dict.fromkeys(refs):
-            self._load_data(ref)
-        preparing = [s for s in stages if hasattr(s.trainer.reg.cls, "prepare_data")
-                     and hasattr(self._load_data(s.data), "__len__")]  # a streaming source is read as it trains
-        loader = self.plan.model.create()
-        if not preparing or self.info.world_size > 1 or not (hasattr(loader, "load_tokenizer")
-                                                              and hasattr(loader, "meta_model")):
-            return
-        try:
-            model = loader.meta_model()[0]
-        except Exception as exc:  # noqa: BLE001 - not buildable here (a hub id not downloaded): the load says why
-            log.debug("data check before loading skipped: %s", exc)
-            return
-        work = self.run_dir / "model"  # where the loader keeps what it makes (a trained tokenizer), for the load
-        work.mkdir(parents=True, exist_ok=True)
-        with calling(self.plan.model, "load"):
-            tokenizer = loader.load_tokenizer(LoadContext(self.info, self.reporter, self.quantizer, self.plan.seed,
-                                                          work, self._load_data))
-        prepare = getattr(self.template, "prepare", None)
-        if prepare is not None:
-            with calling(self.plan.template, "prepare"):
-                model, tokenizer = prepare(model, tokenizer)
-        silent = Reporter(None, None, None, None)  # the stage reports its data when it trains
-        for stage in preparing:
-            ctx = StageContext(self.info, silent, stage.name, model, tokenizer, self.template,
-                               self._load_data(stage.data),
-                               self._load_data(stage.eval_data) if stage.eval_data else None,
-                               self.stage_dir(stage), self.stage_dir(stage) / "checkpoints", None, self.plan.seed,
-                               adapter=stage.adapter.create())
-            with calling(stage.trainer, "prepare_data"):
-                stage.trainer.create().prepare_data(ctx)
+            except Exception as exc:
+                raise ComponentError(f"plugin '{impl.plugin_name}' failed in {hook}: {one_line(exc)}") from exc
+        return problems
 
     def _prepare(self) -> str:
         self._check_exports_free()
         return rundir.prepare(self.run_dir, self.plan.fingerprint(), self.resume, self.force)
 
     def _kept(self, key: list[Any], build: Any) -> tuple[Any, Any]:
-        """``build()`` the base model (``key[0] == "base"``) or a finished stage's (``"stage"``, its name,
-        folder and finish time). A runner that keeps models across the runs of one process, ``ftcore
-        sweep``'s, returns a copy of what an earlier run built, while ``keeps_models`` holds."""
+        """``build()`` the base model (``key``: "base", ...) or a finished stage's ("stage", ...); ``ftcore
+        sweep``'s runner returns a copy of what an earlier run built, while ``keeps_models`` holds."""
         return build()
 
     def _steps(self) -> None:
@@ -220,7 +156,12 @@ class Runner:
             return
 
         if pending:
-            self._check_data(pending)
+            # The data first, each source once (the stages and evaluations reuse it): a bad row stops the run
+            # before the model loads, and so does data a trainer refuses to prepare (ftcore_prepare_data).
+            refs = [ref for s in pending for ref in (s.data, s.eval_data) if ref]
+            for ref in dict.fromkeys([*refs, *(e.data for e in plan.evaluations if e.data)]):
+                self._load_data(ref)
+            self._checks("ftcore_prepare_data", run=self.info, stages=pending, load_data=self._load_data)
         if before:
             # No local name for the model: one here would hold it (trained and merged in place) through
             # the exports, after an exporter releases it.
@@ -228,13 +169,13 @@ class Runner:
         for stage in plan.stages[:max(last_done, 0)]:  # finished stages whose evaluation did not (killed between)
             if between[stage.name]:
                 self._evaluate(stage.name, *self.model_at(stage.name))
+        last_between = last_done >= 0 and between.get(plan.stages[last_done].name)
         # Only exports that read other exports' folders left (a registry after a kill): no model needed.
-        if pending or after or any(map(_needs_model, exports)) or (last_done >= 0 and between.get(
-                plan.stages[last_done].name)):
+        if pending or after or any(map(_needs_model, exports)) or last_between:
             state = self._materialize(last_done)
         else:
             state = ModelState(None, None, None, last_done)
-        if last_done >= 0 and between.get(plan.stages[last_done].name):
+        if last_between:
             self._evaluate(plan.stages[last_done].name, state.model, state.tokenizer)
         for stage in pending:
             state = self._train(stage, state)
@@ -282,9 +223,8 @@ class Runner:
         return self._base
 
     def load_model(self, work_dir: Path) -> tuple[Any, Any]:
-        """The plan's model and tokenizer as a run starts from them: loaded, quantized, with the
-        template's tokens added. What the loader writes (a tokenizer it trains) goes in ``work_dir``;
-        outside a run (``ftcore check``, ``ftcore lr-find``) that is a temporary folder."""
+        """The plan's model and tokenizer as a run starts from them: loaded, quantized, with the template's
+        tokens added; the loader's files go in ``work_dir`` (outside a run: a temporary folder)."""
         plan = self.plan
         self._ensure_reporter()
         ctx = LoadContext(self.info, self.reporter, self.quantizer, plan.seed, work_dir, self._load_data)
@@ -321,10 +261,7 @@ class Runner:
 
         def restore() -> tuple[Any, Any]:
             state = self._materialize(started - 1)
-            model = state.model
-            if state.adapter is not None:
-                with calling(state.adapter, "merge"):
-                    model = state.adapter.create().merge(model)
+            model = self._merged(state)
             with calling(stage.adapter, "restore"):
                 model = stage.adapter.create().restore(model, folder, self.adapter_context())
             return model, state.tokenizer
@@ -345,9 +282,7 @@ class Runner:
         # A stage that trains a separate model (a reward model) gets the policy to start from and its
         # adapter unapplied; the policy passes on to the next stage as it was.
         if stage.trains_policy and not same:
-            if state.adapter is not None:
-                with calling(state.adapter, "merge"):
-                    model = state.adapter.create().merge(model)
+            model = self._merged(state)
             with calling(stage.adapter, "apply"):
                 model = stage.adapter.create().apply(model, self.adapter_context())
             adapter_from = stage.index
@@ -437,7 +372,7 @@ class Runner:
                                 state.adapter.create() if state.adapter else None, partial, export.name,
                                 provenance=self._provenance(), quantized=self.plan.quantizer.name != "none",
                                 load_full_precision_base=lambda: self._full_precision_base(where),
-                                final_path=path, adapter_base=lambda: self._adapter_base(where),
+                                final_path=path, adapter_from=where.adapter_from, load_model=self.model_at,
                                 consume=merges, last=last, release_model=self._release_live if merges else None,
                                 exports={k: Path(v) for k, v in self.exports.items()})
             state = None
@@ -484,33 +419,6 @@ class Runner:
             self._base = cached
         return state.model, state.tokenizer
 
-    def _adapter_base(self, state: ModelState) -> str | None:
-        """Where the model ``state``'s adapter was applied to can be loaded from, on its own: the output
-        of the last stage before the adapter's first one when that is a whole model (with its
-        tokenizer), else the plan's base model as it was loaded (a hub id or a folder); a model made
-        from scratch is saved once to ``model/base`` for this. None when no folder holds it (the
-        adapter sits on top of an earlier stage's adapter)."""
-        if state.adapter is None:
-            return None
-        before = state.adapter_from - 1
-        while before >= 0 and not self.plan.stages[before].trains_policy:
-            before -= 1
-        if before >= 0:
-            output = self.stage_dir(self.plan.stages[before]) / "output"
-            return str(output) if (output / "config.json").is_file() else None
-        path = getattr(self.plan.model.options, "path", None)
-        if isinstance(path, (str, Path)):
-            return str(path)
-        saved = self.run_dir / "model" / "base"
-        if not (saved / "config.json").is_file() and self.info.is_main:
-            model, tokenizer = self.model_at("base")
-            partial = saved.with_name(".base.partial")
-            rundir.remove(partial)
-            model.save_pretrained(partial)
-            tokenizer.save_pretrained(partial)
-            rundir.replace_atomically(partial, saved)
-        return str(saved)
-
     def _full_precision_base(self, state: ModelState) -> Any:
         """The model ``state``'s adapter was applied to, rebuilt with the quantizer skipped."""
         none = self.pm.registry().resolve("quantizer", "none").cls
@@ -518,14 +426,16 @@ class Runner:
         # Built for this export alone: not kept across a sweep's runs (a full-precision copy per process).
         self.quantizer, self._base, self.keeps_models = none(none.Options()), None, False
         try:
-            under = self._materialize(state.adapter_from - 1)
-            model = under.model
-            if under.adapter is not None:
-                with calling(under.adapter, "merge"):
-                    model = under.adapter.create().merge(model)
-            return model
+            return self._merged(self._materialize(state.adapter_from - 1))
         finally:
             self.quantizer, self._base, self.keeps_models = quantizer, cached, True
+
+    def _merged(self, state: ModelState) -> Any:
+        """``state``'s model with its live adapter, if it has one, merged in."""
+        if state.adapter is None:
+            return state.model
+        with calling(state.adapter, "merge"):
+            return state.adapter.create().merge(state.model)
 
     def _provenance(self) -> dict[str, Any]:
         manifest = rundir.read_json(self.run_dir / rundir.MANIFEST) or {}
@@ -553,9 +463,7 @@ class Runner:
         return AdapterContext(self.info, self.reporter, self.quantizer)
 
     def _load_data(self, ref: str) -> Any:
-        """A plan data reference, ``name`` or ``name:split``, as a Dataset (cached per run).
-
-        A source returns a Dataset, or a dict of them by split; a plain name means "train"."""
+        """A plan data reference, ``name`` or ``name:split`` (a plain name: "train"), as a Dataset (cached)."""
         name, _, split = ref.partition(":")
         if name not in self._data:
             sel = self.plan.data[name]
@@ -635,12 +543,8 @@ class Runner:
 
     def _write_manifest(self, status: str) -> dict[str, Any]:
         plan = self.plan
-        inputs: dict[str, Any] = {}
-        for name, sel in plan.data.items():
-            for path in sel.create().inputs():
-                path = Path(path)
-                if path.is_file():
-                    inputs[str(path)] = {"data": name, "sha256": rundir.sha256(path), "bytes": path.stat().st_size}
+        inputs = {str(path): {"data": name, "sha256": rundir.sha256(path), "bytes": path.stat().st_size}
+                  for name, sel in plan.data.items() for path in map(Path, sel.create().inputs()) if path.is_file()}
         dists = {i.dist for i in self.pm.infos.values() if i.dist != "ftcore"}
         manifest = {
             "ftcore_version": rundir.package_versions()["ftcore"],
@@ -696,16 +600,8 @@ def calling(sel: Selected, what: str, where: str | None = None) -> Iterator[None
     except (FtcoreError, ComponentError, KeyboardInterrupt):
         raise
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
         raise ComponentError(f"{sel.reg.kind} '{sel.name}' from {sel.reg.who()} failed in {what}() "
-                             f"[{where or sel.key}]: {type(exc).__name__}: {first}") from exc
-
-
-def _subkey(key: str, message: str) -> tuple[str, str]:
-    """A component's problem as ``check()`` words it (``"path: ..."``, or a message for the component's
-    whole section) and the plan key it is under: ``("model.path", "...")``."""
-    sub = _SUBKEY.match(message)
-    return (f"{key}.{sub.group(1)}" if key else sub.group(1), message[sub.end():]) if sub else (key, message)
+                             f"[{where or sel.key}]: {one_line(exc)}") from exc
 
 
 def _needs_model(export: Any) -> bool:

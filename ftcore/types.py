@@ -1,14 +1,5 @@
-"""Field types for component options that the core resolves for plugins.
-
-Relative paths in a plan resolve against the plan file's folder, whatever the
-current directory is. Use these in an ``Options`` model::
-
-    from ftcore.component import Options
-    from ftcore.types import InputPath
-
-    class Options(Options):
-        path: InputPath
-"""
+"""Field types for component options that the core resolves for plugins: relative paths in a plan
+resolve against the plan file's folder, whatever the current directory is (``path: InputPath``)."""
 
 from __future__ import annotations
 
@@ -16,6 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 from pydantic import AfterValidator, Field, ValidationInfo
+from pydantic_core import PydanticCustomError
+
+from .errors import unknown_choice
 
 
 def _resolve(value: Path, info: ValidationInfo) -> Path:
@@ -68,41 +62,27 @@ LearningRate = Annotated[float, Field(gt=0, le=1)]
 """A learning rate: above 0 (0 trains nothing) and at most 1."""
 
 
-class Reference:
-    """Marks an option whose value names another part of the plan; the core checks it.
+def _reference(kind: str) -> AfterValidator:
+    """Checks a name against what the plan under validation defines: the validation context's ``stages``
+    (the stages before the option's own) or ``rewards``. Outside a plan's validation there is none."""
 
-    ``kind`` is ``"stage"`` (an earlier ``[[stage]]`` by name) or ``"reward"`` (a
-    ``[reward.<name>]`` table).
-    """
+    def check(value: str, info: ValidationInfo) -> str:
+        known = (info.context or {}).get(kind)
+        if known is None or value in known:
+            return value
+        if kind == "stages":
+            where = f"earlier stages: {', '.join(known)}" if known else \
+                "it must name a [[stage]] that runs before this one"
+            raise PydanticCustomError("reference", f"no earlier stage is named {value!r}; {where}")
+        message = unknown_choice("reward", value, known).replace("unknown reward", "undefined reward")
+        raise PydanticCustomError("reference", f"{message} (define it as [reward.{value}])")
 
-    def __init__(self, kind: str):
-        self.kind = kind
-
-    def __repr__(self) -> str:
-        return f"Reference({self.kind!r})"
+    return AfterValidator(check)
 
 
-StageRef = Annotated[str, Reference("stage")]
+StageRef = Annotated[str, _reference("stages")]
 """The name of an earlier stage, e.g. the reward-model stage a PPO stage scores with. The trainer
 finds its output folder in ``ctx.outputs[name]``."""
 
-RewardRef = Annotated[str, Reference("reward")]
+RewardRef = Annotated[str, _reference("rewards")]
 """The name of a plan's ``[reward.<name>]`` reward function; the trainer calls ``ctx.rewards[name]``."""
-
-
-def references(annotation: object, metadata: list | tuple = ()) -> str | None:
-    """The reference kind an option field holds (also inside ``list[...]`` and ``X | None``)."""
-    import typing
-
-    for m in metadata:
-        if isinstance(m, Reference):
-            return m.kind
-    if typing.get_origin(annotation) is Annotated:
-        found = references(None, annotation.__metadata__)
-        if found:
-            return found
-    for arg in typing.get_args(annotation):
-        found = references(arg)
-        if found:
-            return found
-    return None

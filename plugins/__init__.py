@@ -74,6 +74,7 @@ COMPONENTS = (
     "ftcore_plugins.trackers.tensorboard",
     "ftcore_plugins.trackers.mlflow",
     "ftcore_plugins.trackers.wandb",
+    "ftcore_plugins.trackers.track",
     "ftcore_plugins.trainers.dpo",
     "ftcore_plugins.trainers.kto",
     "ftcore_plugins.trainers.orpo",
@@ -86,8 +87,9 @@ COMPONENTS = (
     "ftcore_plugins.exporters.mlflow",
 )
 
-# Subcommands beyond run/validate; `ftcore --help` imports these and no other built-in.
+# Subcommands beyond run; `ftcore --help` imports these and no other built-in.
 COMMANDS = (
+    "ftcore_plugins.commands.validate",
     "ftcore_plugins.commands.plugins",
     "ftcore_plugins.commands.quiet",
     "ftcore_plugins.commands.init",

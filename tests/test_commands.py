@@ -60,12 +60,13 @@ def test_builtin_commands_are_plugins_and_help_lists_them(tmp_path):
                        ("prepare", "tokenize a plan's data into the cache, without training"),
                        ("check", "pre-flight check of a plan's training stages"),
                        ("lr-find", "learning-rate range test on a stage's data"),
-                       ("sweep", "search hyperparameters over the plan's [sweep] space with")):
+                       ("sweep", "search hyperparameters over the plan's [sweep] space with"),
+                       ("validate", "check a plan and list every problem, loading nothing")):
         assert lines_with(r.stdout, name, line), r.stdout
     listing = json.loads(ftcore_cli("plugins", "--json", cwd=tmp_path).stdout)
     by_name = {c["name"]: c for c in listing["commands"]}
     assert set(by_name) == {"init", "estimate", "report", "cache", "chat", "generate", "prepare", "check", "lr-find",
-                            "sweep", "plugins"}
+                            "sweep", "plugins", "validate"}
     assert all(c["dist"] == "ftcore" and c["plugin"].startswith("ftcore_plugins.commands.") for c in by_name.values())
 
 

@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-from ftcore.memory import gpu_visible
 from ftcore.testing import chat_rows, run_ftcore, stage_context, tiny_model, write_plan
+from ftcore_plugins.common.memory import gpu_visible
 
 no_gpu = pytest.mark.skipif(gpu_visible(), reason="checks the refusal on a machine without a GPU")
 

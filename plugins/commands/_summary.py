@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ftcore.summary import format_value
+from ftcore.reporter import format_value
 
 
 def evaluation_rows(evaluations: dict[str, dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:

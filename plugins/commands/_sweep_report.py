@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ftcore import rundir
-from ftcore.summary import format_value
+from ftcore.reporter import format_value
 
 from ftcore_plugins.commands.report import PLOT_DIR, PLOT_DPI, Plot, Table, render_html, render_markdown
 

@@ -1,16 +1,19 @@
 """``ftcore plugins``: every installed component, by kind, and every command, with where each comes from.
 
 It imports every plugin module and calls its registry hooks, and nothing heavier: listing stays fast
-(no torch, no transformers)."""
+(no torch, no transformers). The plan's ``requires`` (the distributions a plan needs) is this module's
+too: it checks them against what is installed."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import ftcore
 from ftcore.command import CORE_COMMANDS, Command, commands as collect_commands
-from ftcore.component import KINDS
+from ftcore.component import KINDS, PlanSection
+from ftcore.plan import type_name
 from ftcore.plugins import plugins_with_warnings
 
 
@@ -69,6 +72,47 @@ class PluginsCommand(Command):
         return 0
 
 
+class RequiresSection(PlanSection):
+    """requires = [...]: the distributions (plugins, libraries) a plan needs, as pip requirements."""
+
+    name = "requires"
+
+    @classmethod
+    def parse(cls, value: Any, problem: Any) -> list[str]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            problem("requires", f"must be a list of requirement strings, got {type_name(value)}")
+            return []
+        from importlib.metadata import PackageNotFoundError, version
+
+        from packaging.requirements import InvalidRequirement, Requirement
+
+        for i, text in enumerate(value):
+            try:
+                req = Requirement(text)
+            except InvalidRequirement as exc:
+                reason = str(exc).splitlines()[0]  # packaging adds the text and a caret on further lines
+                problem(f"requires[{i}]", f"not a valid requirement {text!r}: {reason}")
+                continue
+            try:
+                have = version(req.name)
+            except PackageNotFoundError:
+                problem(f"requires[{i}]", f"{req.name} is not installed; install it with: pip install '{text}'")
+                continue
+            if req.specifier and not req.specifier.contains(have, prereleases=True):
+                problem(f"requires[{i}]", f"{req.name} {have} is installed but the plan needs '{text}'; "
+                                          f"upgrade with: pip install '{text}'")
+        return list(value)
+
+    @property
+    def value(self) -> list[str]:
+        return self.options or []
+
+
 @ftcore.hookimpl
 def register_commands(register):
     register(PluginsCommand)
+
+
+@ftcore.hookimpl
+def register_plan_sections(register):
+    register(RequiresSection)

@@ -47,3 +47,12 @@ class PrepareCommand(Command):
 @ftcore.hookimpl
 def register_commands(register):
     register(PrepareCommand)
+
+
+@ftcore.hookimpl
+def ftcore_prepare_data(run, stages, load_data):
+    """``ftcore run`` prepares the data of the stages it is about to train as ``ftcore prepare`` does,
+    before the model loads: a bad row stops it there."""
+    from ftcore_plugins.common.run_data import prepare_before_load
+
+    prepare_before_load(run, stages, load_data)

@@ -20,7 +20,7 @@ def quiet_libraries(verbose: bool = False) -> None:
     for name, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("HF_DATASETS_DISABLE_PROGRESS_BARS", "1"),
                         ("TRANSFORMERS_VERBOSITY", "error"), ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
         os.environ.setdefault(name, value)
-    from ftcore.memory import gpu_visible
+    from ftcore_plugins.common.memory import gpu_visible
 
     if not gpu_visible():
         # What DeepSpeed picks anyway on such a machine; said up front, it does not print (to stdout, through

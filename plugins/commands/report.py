@@ -22,7 +22,7 @@ from ftcore import rundir
 from ftcore.command import Command
 from ftcore.errors import FtcoreError
 from ftcore.plan import phase_order
-from ftcore.summary import format_value
+from ftcore.reporter import format_value
 from ftcore_plugins.commands._summary import evaluation_rows, print_summary
 
 PLOT_DIR = "report"

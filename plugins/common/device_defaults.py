@@ -75,7 +75,7 @@ DEVICES = {"cpu": CPU, "cuda": CUDA}
 
 def device_type() -> str:
     """``"cuda"`` where a GPU is visible (its device files; torch is not imported), else ``"cpu"``."""
-    from ftcore.memory import gpu_visible
+    from ftcore_plugins.common.memory import gpu_visible
 
     return "cuda" if gpu_visible() else "cpu"
 

@@ -1,18 +1,28 @@
 """Memory helpers the plugins share: memory the system can still give, and handing the pages of
-memory-mapped files back (a pass over a mapped corpus, a model's safetensors). The runner's own
-readings (RSS, peaks, ``release``) are :mod:`ftcore.memory`, re-exported here."""
+memory-mapped files back (a pass over a mapped corpus, a model's safetensors). Whether a GPU is visible, without
+importing torch. The runner's own readings (RSS, peaks, ``release``) are :mod:`ftcore.memory`, re-exported
+here."""
 
 from __future__ import annotations
 
+import glob
+import os
 from pathlib import Path
 from typing import Callable
 
-from ftcore.memory import MiB, gpu_visible, release, reset_peak, snapshot, status
+from ftcore.memory import MiB, release, reset_peak, snapshot, status
 
 __all__ = ["MiB", "MappedPages", "available_bytes", "file_mappings", "gpu_visible", "release", "release_pages",
            "reset_peak", "snapshot", "status"]
 
 MADV_DONTNEED = 4  # Linux
+
+
+def gpu_visible() -> bool:
+    """Whether this machine shows a CUDA/ROCm device (its device files), without importing torch."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
 
 
 def available_bytes() -> int | None:

@@ -1,17 +1,22 @@
 """A plan's data outside a run, through the runner that would run it: ``ftcore prepare``, ``ftcore
 estimate``, ``ftcore check`` and ``ftcore validate --data``. The tokenizer is the run's (the loader's,
 with the template's tokens added to a model built on the meta device), so no weights are read, and
-nothing is written in the run folder. Heavy libraries come in through the components alone."""
+nothing is written in the run folder. Heavy libraries come in through the components alone. And the
+same preparation in a run, before the model loads (:func:`prepare_before_load`)."""
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from ftcore.context import LoadContext, StageContext
 from ftcore.errors import FtcoreError
+from ftcore.reporter import Reporter
 from ftcore.runner import calling
+
+log = logging.getLogger("ftcore")
 
 
 def data_tokenizer(runner: Any) -> tuple[Any, Any]:
@@ -37,11 +42,48 @@ def data_tokenizer(runner: Any) -> tuple[Any, Any]:
 def data_context(runner: Any, stage: Any, model: Any, tokenizer: Any) -> StageContext:
     """A stage's context for work on its data outside a run (``ftcore prepare``, ``ftcore check``): its
     train and eval rows, no checkpoint to resume from; nothing is written in its folders."""
-    load = runner._load_data
-    return StageContext(runner.info, runner.reporter, stage.name, model, tokenizer, runner.template,
-                        load(stage.data), load(stage.eval_data) if stage.eval_data else None,
-                        runner.stage_dir(stage), runner.stage_dir(stage) / "checkpoints", None, runner.plan.seed,
-                        adapter=stage.adapter.create())
+    return _stage_context(runner.info, runner.reporter, runner.template, runner._load_data, stage, model, tokenizer)
+
+
+def _stage_context(run: Any, reporter: Any, template: Any, load: Any, stage: Any, model: Any,
+                   tokenizer: Any) -> StageContext:
+    folder = run.run_dir / "stages" / stage.name
+    return StageContext(run, reporter, stage.name, model, tokenizer, template, load(stage.data),
+                        load(stage.eval_data) if stage.eval_data else None, folder, folder / "checkpoints", None,
+                        run.plan.seed, adapter=stage.adapter.create())
+
+
+def prepare_before_load(run: Any, stages: list[Any], load_data: Any) -> None:
+    """``ftcore run``'s data preparation, before the model loads (``ftcore_prepare_data``): each stage still
+    to train has its trainer prepare its rows as ``ftcore prepare`` does, with the run's tokenizer and
+    template on a model built on the meta device (no weights read). A bad row, or data a trainer refuses,
+    stops the run here, not after the model loaded; the prepared rows wait in the cache of tokenized data,
+    where the stage finds them. A loader that cannot give its tokenizer without the weights skips this
+    (and so does a distributed run, whose ranks prepare their data as they train)."""
+    plan, loader = run.plan, run.plan.model.create()
+    preparing = [s for s in stages if hasattr(s.trainer.reg.cls, "prepare_data")
+                 and hasattr(load_data(s.data), "__len__")]  # a streaming source is read as it trains
+    if not preparing or run.world_size > 1 or not (hasattr(loader, "load_tokenizer") and hasattr(loader, "meta_model")):
+        return
+    try:
+        model = loader.meta_model()[0]
+    except Exception as exc:  # noqa: BLE001 - not buildable here (a hub id not downloaded): the load says why
+        log.debug("data check before loading skipped: %s", exc)
+        return
+    work = run.run_dir / "model"  # where the loader keeps what it makes (a trained tokenizer), for the load
+    work.mkdir(parents=True, exist_ok=True)
+    quantizer, template = plan.quantizer.create(), plan.template.create()
+    with calling(plan.model, "load"):
+        tokenizer = loader.load_tokenizer(LoadContext(run, run.reporter, quantizer, plan.seed, work, load_data))
+    prepare = getattr(template, "prepare", None)
+    if prepare is not None:
+        with calling(plan.template, "prepare"):
+            model, tokenizer = prepare(model, tokenizer)
+    silent = Reporter(None, None, None, None)  # the stage reports its data when it trains
+    for stage in preparing:
+        ctx = _stage_context(run, silent, template, load_data, stage, model, tokenizer)
+        with calling(stage.trainer, "prepare_data"):
+            stage.trainer.create().prepare_data(ctx)
 
 
 def prepare_data(runner: Any, only: list[str] | None = None) -> list[tuple[str, str]]:

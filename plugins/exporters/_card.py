@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ftcore.summary import format_value
+from ftcore.reporter import format_value
 
 
 def write_card(folder: Path, ctx: Any, *, title: str, library: str, tags: list[str], usage: str,

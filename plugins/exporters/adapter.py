@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import ftcore
+from ftcore import rundir
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
@@ -42,7 +43,7 @@ class AdapterExporter(Component):
         config = ctx.model.peft_config[ctx.model.active_adapter]
         # The exact base (an earlier stage's output, the plan's model, a scratch model saved for this),
         # recorded where peft looks (adapter_config.json) and in the card's snippet.
-        base = ctx.adapter_base() if ctx.adapter_base is not None else None
+        base = adapter_base(ctx)
         if base is not None:
             config.base_model_name_or_path = base
         ctx.path.mkdir(parents=True, exist_ok=True)
@@ -53,6 +54,33 @@ class AdapterExporter(Component):
         write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
                    tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=card_path(ctx)))
         return ctx.path
+
+
+def adapter_base(ctx) -> str | None:
+    """Where the model the live adapter was applied to loads from on its own: the output of the last stage
+    before the adapter's first one that trained the policy, when that is a whole model (with its
+    tokenizer); else the plan's base model as it was loaded (a hub id or a folder); a model made from
+    scratch is saved once to ``model/base`` in the run folder for this. None when no folder holds it (the
+    adapter sits on top of an earlier stage's adapter)."""
+    plan, run_dir = ctx.run.plan, ctx.run.run_dir
+    before = ctx.adapter_from - 1
+    while before >= 0 and not plan.stages[before].trains_policy:
+        before -= 1
+    if before >= 0:
+        output = run_dir / "stages" / plan.stages[before].name / "output"
+        return str(output) if (output / "config.json").is_file() else None
+    path = getattr(plan.model.options, "path", None)
+    if isinstance(path, (str, Path)):
+        return str(path)
+    saved = run_dir / "model" / "base"
+    if not (saved / "config.json").is_file() and ctx.run.is_main and ctx.load_model is not None:
+        model, tokenizer = ctx.load_model("base")
+        partial = saved.with_name(".base.partial")
+        rundir.remove(partial)
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        rundir.replace_atomically(partial, saved)
+    return str(saved) if (saved / "config.json").is_file() else None
 
 
 @ftcore.hookimpl

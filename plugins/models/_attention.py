@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Literal
 
-from ftcore.memory import gpu_visible
+from ftcore_plugins.common.memory import gpu_visible
 
 # transformers' names. sdpa is its default where the model supports it; flex_attention compiles
 # a kernel with torch.compile; the flash kernels are CUDA-only packages. With packing, sft sends

@@ -1,8 +1,10 @@
-"""The pre-flight checks of ``ftcore run`` on the model's shapes (the ``ftcore_preflight`` hook): before the
-run folder is made or a weight is read, each ``max_length`` the plan sets against the model's context,
+"""The pre-flight checks of ``ftcore run`` on the model (the ``ftcore_preflight`` hook): before the run
+folder is made or a weight is read, first the loader's own ``preflight(plan)``, if it has one: what its
+files and config say (a folder that holds no model, a truncated weights file, an unknown architecture),
+as problems under the loader's key. Then each ``max_length`` the plan sets against the model's context,
 and each stage's adapter applied to the model on the meta device (its target modules, its options). A
 loader without ``meta_model()``, or one that cannot build it here (a hub id not yet downloaded), skips
-them; loading reports it then. The loader's own ``preflight(plan)`` (its files) runs before."""
+these; loading reports it then."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from typing import Any
 import ftcore
 from ftcore.context import AdapterContext, RunInfo
 from ftcore.errors import FtcoreError
+from ftcore.plan import subkey
 from ftcore.reporter import Reporter
+from ftcore.runner import calling
 
 log = logging.getLogger("ftcore")
 
@@ -21,6 +25,12 @@ log = logging.getLogger("ftcore")
 @ftcore.hookimpl
 def ftcore_preflight(plan: Any) -> list[str]:
     loader = plan.model.create()
+    own = getattr(loader, "preflight", None)
+    if own is not None:
+        with calling(plan.model, "preflight"):
+            messages = own(plan)
+        if messages:  # the model cannot be built as it is: the checks below would only fail
+            return [": ".join(subkey(plan.model.key, m)) for m in messages]
     if not hasattr(loader, "meta_model"):
         return []
     try:

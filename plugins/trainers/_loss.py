@@ -30,7 +30,8 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ftcore.component import Options
-from ftcore.memory import gpu_visible
+
+from ftcore_plugins.common.memory import gpu_visible
 
 LossKernel = Literal["auto", "chunked", "liger", "full", "trl"]
 

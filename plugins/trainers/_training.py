@@ -9,9 +9,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from ftcore.component import Options
-from ftcore.memory import gpu_visible
 from ftcore.types import LearningRate, Tokens
 
+from ftcore_plugins.common.memory import gpu_visible
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
 from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
 from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem

@@ -261,3 +261,15 @@ def test_the_kernel_has_no_import_circle():
             visit(module, [module])
     assert not circles, circles
 
+
+
+KERNEL_LINES = 3_000  # issue #32: the kernel holds the kernel; features go to plugins/, reached through hooks
+
+
+def test_the_kernel_stays_under_its_line_budget():
+    sizes = {p.name: len(p.read_text(encoding="utf-8").splitlines())
+             for p in sorted(KERNEL.glob("*.py")) if p.name not in NOT_KERNEL}
+    total = sum(sizes.values())
+    biggest = ", ".join(f"{name} {n}" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:4])
+    assert total <= KERNEL_LINES, (f"ftcore/ (without {', '.join(sorted(NOT_KERNEL))}) has {total} lines, over "
+                                   f"{KERNEL_LINES:,} ({biggest}, ...): move a feature into plugins/ behind a hook")

@@ -235,8 +235,8 @@ def test_hf_loader_reads_a_vlm_folder_with_its_processor(tmp_path):
 
 
 def test_trainers_and_evaluators_that_do_not_take_images_say_so():
-    """dpo (and the other pair trainers) and the text tokenization (evaluators, pretrain) refuse rows with
-    images in one line, rather than train on their text alone."""
+    """The pair trainers other than dpo (orpo, kto, reward) and the text tokenization (evaluators, pretrain)
+    refuse rows with images in one line, rather than train on their text alone."""
     from types import SimpleNamespace
 
     import datasets
@@ -251,9 +251,9 @@ def test_trainers_and_evaluators_that_do_not_take_images_say_so():
                                          "rejected": [{"role": "assistant", "content": "Blue."}],
                                          "images": ["/x.png"]}])
     with pytest.raises(FtcoreError) as info:
-        require_data(SimpleNamespace(train_data=pairs, eval_data=None, stage="dpo"), "dpo", ("pairs",))
-    assert str(info.value) == "stage dpo: trainer 'dpo' does not train on rows with images yet (its data has an " \
-        "'images' column); sft does (docs/vision.md)"
+        require_data(SimpleNamespace(train_data=pairs, eval_data=None, stage="orpo"), "orpo", ("pairs",))
+    assert str(info.value) == "stage orpo: trainer 'orpo' does not train on rows with images yet (its data has an " \
+        "'images' column); dpo (on preference pairs) and sft do (docs/vision.md)"
     chat = chosen_as_chat(pairs)  # sft on pairs: the chosen conversation, with its images
     assert sorted(chat.column_names) == ["images", "messages"] and chat[0]["images"] == ["/x.png"]
     with pytest.raises(FtcoreError) as info:

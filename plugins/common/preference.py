@@ -53,13 +53,14 @@ def adds_bos(tokenizer: Any) -> bool:
     return bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
 
 
-def render(ctx: Any, data: Any, *, strip_bos: bool) -> Any:
+def render(ctx: Any, data: Any, *, strip_bos: bool, template: Any = None, keep: tuple[str, ...] = ("label",)) -> Any:
     """Rows as text: the prompt rendered with the generation prompt, each answer as its continuation
     (up to and including the template's end of turn). ``strip_bos``: drop a BOS the template wrote,
-    for trainers that tokenize with the tokenizer's special tokens, which add it again."""
+    for trainers that tokenize with the tokenizer's special tokens, which add it again. ``template``
+    replaces the plan's (rows with images: one that renders image parts); the ``keep`` columns stay."""
     from ftcore_plugins.common.chat import template_messages
 
-    tok, template = ctx.tokenizer, ctx.template
+    tok, template = ctx.tokenizer, template or ctx.template
     bos = tok.bos_token if strip_bos and adds_bos(tok) else None
     answers = [c for c in ("chosen", "rejected", "completion") if c in data.column_names]
 
@@ -77,7 +78,6 @@ def render(ctx: Any, data: Any, *, strip_bos: bool) -> Any:
             text = text[len(bos):]
         return {"prompt": text, **out}
 
-    keep = [c for c in ("label",) if c in data.column_names]
     return data.map(one, remove_columns=[c for c in data.column_names if c not in keep],
                     desc=f"render {ctx.stage}")
 

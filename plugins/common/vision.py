@@ -74,6 +74,16 @@ class VisionTemplate:
                                     **extra)
 
 
+def image_template(template: Any) -> VisionTemplate:
+    """The plan's template, rendering image placeholders as image parts; a one-line error for a template
+    that renders text only (a named built-in one)."""
+    if getattr(template, "name", None) not in IMAGE_TEMPLATES:
+        raise FtcoreError(f"{template_title(template)} renders text only, and these rows hold images; use "
+                          "[template] use = \"native\" (the processor's chat template) or a \"jinja\" file that "
+                          "renders image parts")
+    return VisionTemplate(template)
+
+
 def vision_token_ids(tokenizer: Any) -> set[int]:
     """The ids of every image or vision-placeholder token the tokenizer has."""
     vocab = tokenizer.get_vocab()
@@ -107,11 +117,7 @@ class VisionEncoder:
                  train_on_inputs: bool = False, where: str = "data"):
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
-        if getattr(template, "name", None) not in IMAGE_TEMPLATES:
-            raise FtcoreError(f"{template_title(template)} renders text only, and these rows hold images; use "
-                              "[template] use = \"native\" (the processor's chat template) or a \"jinja\" file that "
-                              "renders image parts")
-        self.template = VisionTemplate(template)
+        self.template = image_template(template)
         if samples_mode(template) == "per_turn":
             raise FtcoreError(f"{self.template.title}: samples = \"per_turn\" is not supported for rows with images "
                               "yet; use the default (one sample per conversation)")

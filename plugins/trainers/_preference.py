@@ -59,17 +59,19 @@ def _declared_kind(source: Any) -> str | None:
     return {"preference": "pairs", "unpaired_preference": "unpaired"}.get(kind, kind)
 
 
-def require_data(ctx: Any, trainer: str, accepts: tuple[str, ...]) -> str:
+def require_data(ctx: Any, trainer: str, accepts: tuple[str, ...], images: bool = False) -> str:
     """The kind of the stage's rows ("pairs" or "unpaired"); a one-line error when it is not one
-    this trainer takes. Train and eval data must be of a kind the trainer takes (not the same one)."""
+    this trainer takes. Train and eval data must be of a kind the trainer takes (not the same one).
+    Rows with images are refused unless ``images`` (the trainer takes pairs with images)."""
     kinds = []
     for label, data in (("data", ctx.train_data), ("eval_data", ctx.eval_data)):
         if data is None:
             continue
         kind = kind_of_columns(data.column_names)
-        if "images" in data.column_names:
+        if "images" in data.column_names and not (images and kind == "pairs"):
+            takes = "sft does" if trainer == "dpo" else "dpo (on preference pairs) and sft do"
             raise FtcoreError(f"stage {ctx.stage}: trainer '{trainer}' does not train on rows with images yet (its "
-                              f"{label} has an 'images' column); sft does (docs/vision.md)")
+                              f"{label} has an 'images' column); {takes} (docs/vision.md)")
         if kind not in accepts:
             raise FtcoreError(f"stage {ctx.stage}: " + wrong_kind(
                 trainer, accepts, f"its {label} has the columns {', '.join(sorted(data.column_names))}"))
@@ -141,13 +143,17 @@ def labelled(data: Any) -> list[bool] | None:
 
 def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, config_cls: type,
                             config: dict[str, Any], accepts: tuple[str, ...],
-                            check_reference: Any = None) -> dict[str, Any]:
+                            check_reference: Any = None, images: bool = False) -> dict[str, Any]:
     """Render, report lengths, measure the held-out rows under the policy as the stage starts (which
     is the reference), train with TRL against that reference, measure again. ``check_reference``
-    (trainer, eval ids, start log-probs) -> metrics, to compare TRL's reference with the start."""
+    (trainer, eval ids, start log-probs) -> metrics, to compare TRL's reference with the start.
+    ``images``: the trainer takes pairs with images (:func:`train_pairs_with_images`)."""
+    from ftcore_plugins.common.vision import has_images
     from ftcore_plugins.trainers._training import run_trainer
 
-    kind = require_data(ctx, name, accepts)
+    kind = require_data(ctx, name, accepts, images=images)
+    if images and (has_images(ctx.train_data) or has_images(ctx.eval_data)):
+        return train_pairs_with_images(ctx, o, name, trainer_cls, config_cls, config)
     train = render(ctx, ctx.train_data, strip_bos=True)
     evaluation = render(ctx, ctx.eval_data, strip_bos=True) if ctx.eval_data is not None else None
     ids = length_report(ctx, {"train": train, "eval": evaluation}, o.max_length, style="trl")
@@ -173,6 +179,35 @@ def train_against_reference(ctx: Any, o: Any, name: str, trainer_cls: type, conf
                          step=metrics.get("global_step"))
     metrics.pop("eval_perplexity", None)  # exp of a preference loss is no perplexity
     ctx.model = drop_reference(ctx.model)
+    return metrics
+
+
+def train_pairs_with_images(ctx: Any, o: Any, name: str, trainer_cls: type, config_cls: type,
+                            config: dict[str, Any]) -> dict[str, Any]:
+    """:func:`train_against_reference` for preference pairs with images: the rows rendered to text with their
+    image references, batched by TRL's vision collator (through :class:`VisionPairCollator`, which decodes the
+    images), TRL's DPOTrainer given the processor; the held-out measurement from the same batches."""
+    from ftcore_plugins.trainers._training import run_trainer
+    from ftcore_plugins.trainers._vision import pair_logps, pair_reference_gap, save_processor, vision_pairs
+
+    train, evaluation, collator = vision_pairs(ctx, o, name)
+    start = pair_logps(ctx.model, collator, evaluation, o.batch_size) if evaluation is not None else None
+    trainer, metrics = run_trainer(ctx, o, trainer_cls, config_cls, train=train,
+                                   evaluation=evaluation if periodic_evaluation(o) else None,
+                                   config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
+                                           "gradient_checkpointing": o.gradient_checkpointing,
+                                           "remove_unused_columns": False, **config},
+                                   ref_model=reference_model(ctx), strip_patches=False, data_collator=collator,
+                                   processing_class=collator.processor)
+    if start is not None:
+        metrics.update(pair_reference_gap(trainer, collator, evaluation, start))
+        end = pair_logps(ctx.model, collator, evaluation, o.batch_size)
+        metrics.update(held_out(start, end, o.beta, None))
+        ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},
+                         step=metrics.get("global_step"))
+    metrics.pop("eval_perplexity", None)
+    ctx.model = drop_reference(ctx.model)
+    save_processor(ctx, collator.processor)
     return metrics
 
 

@@ -1,5 +1,6 @@
 """Trainer ``dpo``: Direct Preference Optimization (TRL DPOTrainer) on preference pairs, against
-the policy as it was when the stage started."""
+the policy as it was when the stage started. Pairs with images train a vision-language model through
+TRL's vision collator (trainers/_vision.py; docs/vision.md)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class DPOTrainer(Component):
         return train_against_reference(ctx, o, self.name, trainer_cls, DPOConfig,
                                        {"loss_type": losses, "loss_weights": o.loss_weights,
                                         "label_smoothing": o.label_smoothing},
-                                       ("pairs",), check_reference=reference_gap)
+                                       ("pairs",), check_reference=reference_gap, images=True)
 
 
 def reference_gap(trainer, ids, start):

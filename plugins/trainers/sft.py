@@ -90,7 +90,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
             config.update(vision_config)
         metrics = run_trl(ctx, o, train, evaluation, packing=False, trainer_cls=trainer_cls, config=config, **extra)
         if self.collator is not None:
-            save_processor(ctx, self.collator)
+            save_processor(ctx, self.collator.encoder.processor)
         return metrics
 
     # -- override points ---------------------------------------------------------------------

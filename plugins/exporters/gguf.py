@@ -35,6 +35,7 @@ from ftcore_plugins.common.run_model import load_gguf
 from ftcore_plugins.exporters import llama_cpp_converter as converter
 from ftcore_plugins.exporters._card import card_path, final_path, write_card
 from ftcore_plugins.exporters._ollama import modelfile
+from ftcore_plugins.exporters._vision import plan_vision_model, refusal, refuse_loaded
 from ftcore_plugins.exporters.merged import TOLERANCES, logits, max_abs_diff, merge_verified, verification_inputs
 
 # transformers model_type -> llama.cpp architecture (mistral is llama's layout in llama.cpp).
@@ -134,6 +135,11 @@ def unsupported_architecture(kind: str | None, classes: list[str] | None = None,
     return None
 
 
+# Why a vision-language model is refused (plugins/exporters/_vision.py).
+VISION_WHY = "llama.cpp runs one from two files, the language model and its vision tower and projector (mmproj), " \
+    "and this exporter writes the language model only"
+
+
 class GgufExporter(Component):
     """GGUF files for llama.cpp, one per type (f16, q8_0, ...), with the tokenizer and chat template."""
 
@@ -155,6 +161,8 @@ class GgufExporter(Component):
         converter_path: str | None = None
 
     def check(self, plan) -> list[str]:
+        if (vlm := plan_vision_model(plan)) is not None:
+            return [f"use: {refusal(self.name, vlm, VISION_WHY)}"]
         problems = []
         if importlib.util.find_spec("gguf") is None:
             problems.append(f"use: exporter 'gguf' needs the gguf package, which is not installed: {PIP_GGUF}")
@@ -176,6 +184,7 @@ class GgufExporter(Component):
         return unsupported_architecture(kind, classes, self.options.converter, self.options.converter_path)
 
     def export(self, ctx):
+        refuse_loaded(ctx, ctx.model, self.name, VISION_WHY)
         model, merge = merge_verified(ctx, "float32", self.options.tolerance, self.name)
         config = model.config
         kind = config.model_type

@@ -22,6 +22,7 @@ from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.exporters._card import card_path, write_card
+from ftcore_plugins.exporters._vision import plan_vision_model, refusal, refuse_loaded
 from ftcore_plugins.exporters.merged import merge_verified, verification_inputs
 
 PIP_ONNX = "pip install 'ftcore[onnx]'"
@@ -44,6 +45,10 @@ print(tokenizer.decode(int(np.argmax(logits[0, -1]))))  # the next token
 """
 
 
+# Why a vision-language model is refused (plugins/exporters/_vision.py).
+VISION_WHY = "its graph takes input_ids and attention_mask, no pixels, so it would hold the language model alone"
+
+
 class OnnxOptions(Options):
     opset: int = Field(18, ge=18)  # ONNX opset; the dynamo exporter writes 18 and later
     # Max abs logit difference allowed between onnxruntime and transformers (and for the merge before it).
@@ -58,6 +63,8 @@ class OnnxExporter(Component):
     merges = True  # runs after the exports that need the adapter model, and merges it in place
 
     def check(self, plan) -> list[str]:
+        if (vlm := plan_vision_model(plan)) is not None:
+            return [f"use: {refusal(self.name, vlm, VISION_WHY)}"]
         absent = [m for m in MODULES if importlib.util.find_spec(m) is None]
         if absent:
             return [f"use: exporter 'onnx' needs {', '.join(absent)}, which is not installed: {PIP_ONNX}"]
@@ -66,6 +73,7 @@ class OnnxExporter(Component):
     def export(self, ctx):
         import torch
 
+        refuse_loaded(ctx, ctx.model, self.name, VISION_WHY)
         model, merge = merge_verified(ctx, "float32", self.options.tolerance, self.name)
         batch = torch.export.Dim("batch")
         sequence = torch.export.Dim("sequence")

@@ -86,3 +86,41 @@ def test_a_text_model_is_not_taken_for_a_vlm(tmp_path, qwen25_tiny_model):
     assert plan_vision_model(plan("scratch", architecture="llama")) is None
     assert plan_vision_model(plan("hf", path="Qwen/Qwen2.5-VL-3B-Instruct")) is None  # a hub id: known at export
     assert plan_vision_model(plan("scratch", architecture="gemma3")) == "gemma3"
+
+
+def test_the_adapter_export_holds_the_processor_and_generates_on_its_base(tmp_path):
+    """A LLaVA LoRA run exported as `adapter`: peft's PeftModel on the recorded base and AutoProcessor from the
+    export folder generate from an image in plain transformers, the adapter changing the base's output;
+    the card shows how."""
+    import torch
+    from peft import PeftModel
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from test_vision_sft import write_data, write_plan
+
+    write_data(tmp_path)
+    plan = write_plan(tmp_path, "llava", '\n[[export]]\nuse = "adapter"\n')
+    plan.write_text(plan.read_text().replace("max_steps = 6", "max_steps = 2"))
+    done = run_cli("run", str(plan), cwd=tmp_path, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    export = tmp_path / "runs" / "plan" / "exports" / "adapter"
+    base_path = json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"]
+    base = AutoModelForImageTextToText.from_pretrained(base_path)
+    processor = AutoProcessor.from_pretrained(export)
+    assert type(processor).__name__ == "LlavaProcessor" and processor.chat_template
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this square?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[[Image.open(tmp_path / "data" / "red.png")]], add_special_tokens=False,
+                       return_tensors="pt")
+    assert (inputs["input_ids"] == base.config.image_token_id).sum() > 1  # the image expanded into its tokens
+    with torch.no_grad():
+        plain = base(**inputs).logits
+    model = PeftModel.from_pretrained(base, export)
+    with torch.no_grad():
+        adapted = model(**inputs).logits
+    assert (adapted - plain).abs().max() > 1e-3  # the trained adapter is what runs
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+    card = (export / "README.md").read_text()
+    assert "AutoModelForImageTextToText" in card and "AutoProcessor.from_pretrained" in card

@@ -46,3 +46,19 @@ def refuse_loaded(ctx: Any, model: Any, exporter: str, why: str) -> None:
     kind = vision_model_type(getattr(model, "config", None))
     if kind is not None:
         raise FtcoreError(f"export '{ctx.name}': " + refusal(exporter, kind, why))
+
+
+# The `adapter` export's model card for a vision-language model: the adapter on its base, the processor from the export.
+ADAPTER_USAGE = """
+from peft import PeftModel
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+base = AutoModelForImageTextToText.from_pretrained("{base}")  # the model the adapter was trained on
+model = PeftModel.from_pretrained(base, "{path}")
+processor = AutoProcessor.from_pretrained("{path}")
+messages = [{{"role": "user", "content": [{{"type": "image"}}, {{"type": "text", "text": "What is this?"}}]}}]
+text = processor.apply_chat_template(messages, add_generation_prompt=True)
+inputs = processor(text=[text], images=[[Image.open("image.png")]], add_special_tokens=False, return_tensors="pt")
+print(processor.decode(model.generate(**inputs, max_new_tokens=64)[0]))
+"""

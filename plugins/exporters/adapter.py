@@ -9,7 +9,9 @@ from ftcore import rundir
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.vision import processor_of
 from ftcore_plugins.exporters._card import card_path, write_card
+from ftcore_plugins.exporters._vision import ADAPTER_USAGE
 
 USAGE = """
 from peft import PeftModel
@@ -49,10 +51,14 @@ class AdapterExporter(Component):
         ctx.path.mkdir(parents=True, exist_ok=True)
         ctx.model.save_pretrained(ctx.path)
         ctx.tokenizer.save_pretrained(ctx.path)
+        processor = processor_of(ctx.tokenizer)
+        if processor is not None:  # a vision-language model: its processor too (image processor, template)
+            processor.save_pretrained(ctx.path)
         base = card_path(ctx, base) if base is not None and Path(base).exists() else \
             (base or config.base_model_name_or_path or "path/to/base-model")
         write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
-                   tags=["peft", ctx.adapter.name], usage=USAGE.format(base=base, path=card_path(ctx)))
+                   tags=["peft", ctx.adapter.name],
+                   usage=(ADAPTER_USAGE if processor is not None else USAGE).format(base=base, path=card_path(ctx)))
         return ctx.path
 
 

@@ -222,6 +222,6 @@ def ftcore_cli_start(command: str, debug: bool) -> None:
     loaded; the built-in one (``ftcore_plugins.commands.quiet``) keeps the ML libraries' progress bars
     and advisories off the console of ``ftcore run``, before any plugin imports them.
 
-    :param command: the command about to run: ``run``, ``validate``, or a plugin's (``plugins``, ``report``, ...).
+    :param command: the command about to run: ``run``, or a plugin's (``validate``, ``plugins``, ...).
     :param debug: whether ``--debug`` was given: show everything.
     """

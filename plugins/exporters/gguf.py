@@ -19,6 +19,8 @@ computed by llama.cpp itself where llama-cpp-python is installed."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib.util
 import json
 import tempfile
@@ -106,10 +108,21 @@ def model_classes(plan) -> list[str] | None:
 def class_names(kind: str | None, architectures: list[str] | None) -> list[str]:
     if architectures:
         return list(architectures)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind or "")
+    name = causal_lm_names().get(kind or "")
     return [name] if isinstance(name, str) else list(name or [])
+
+
+@functools.cache
+def causal_lm_names() -> dict[str, str]:
+    """transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (model type -> class name), read from its source:
+    importing ``modeling_auto`` imports torch, which ``ftcore validate`` never does."""
+    spec = importlib.util.find_spec("transformers")
+    source = Path(spec.origin).parent / "models" / "auto" / "modeling_auto.py"
+    for node in ast.parse(source.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                                                for t in node.targets):
+            return dict(ast.literal_eval(node.value.args[0]))
+    return {}
 
 
 def uses_converter(choice: str, kind: str | None) -> bool:

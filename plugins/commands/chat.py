@@ -18,6 +18,7 @@ HELP = """\
 /reset                 forget the conversation (the system prompt stays)
 /system TEXT           set the system prompt (/system alone removes it); the conversation restarts
 /set KEY=VALUE ...     change decoding: temperature (0 = greedy), top_p, max_new_tokens, seed
+/image PATH            attach an image to your next message (a vision-language model's run)
 /help                  this list
 /exit                  quit (also Ctrl-D); Ctrl-C stops an answer, or quits at the prompt"""
 
@@ -98,6 +99,16 @@ def sampling_from(args: argparse.Namespace) -> Any:
     return sampling
 
 
+def image_reference(path: str) -> str:
+    """An image path as given (relative to the current folder) -> its checked reference (it exists and
+    decodes); :class:`~ftcore_plugins.common.images.ImageError` (one line naming it) if not."""
+    from ftcore_plugins.common.images import check_image, reference
+
+    ref = reference(path, os.getcwd())
+    check_image(ref)
+    return ref
+
+
 def parse_settings(words: list[str], sampling: Any) -> Any:
     """``/set temperature=0.7 top_p=0.9``: new settings, or ValueError saying what is wrong."""
     if not words:
@@ -121,9 +132,14 @@ def parse_settings(words: list[str], sampling: Any) -> Any:
 class Chat:
     """The conversation loop: one history per model, so each model sees its own earlier answers."""
 
-    def __init__(self, models: list[Any], sampling: Any, system: str | None, console: Any):
+    def __init__(self, models: list[Any], sampling: Any, system: str | None, console: Any,
+                 images: list[str] | None = None):
         self.models, self.sampling, self.system, self.console = models, sampling, system, console
         self.histories: list[list[dict]] = [[] for _ in models]
+        # Each history's images (references), one per <image> placeholder in its messages, in order; and
+        # the images attached to the next message (--image, /image).
+        self.images: list[list[str]] = [[] for _ in models]
+        self.pending: list[str] = list(images or [])
         known = [c for c in (context_length(m) for m in models) if c is not None]
         self.context = min(known) if known else None
 
@@ -155,12 +171,14 @@ class Chat:
         if name == "/help":
             say(HELP, highlight=False, markup=False)
         elif name == "/reset":
-            self.histories = [[] for _ in self.models]
+            self.histories, self.images = [[] for _ in self.models], [[] for _ in self.models]
             say("[dim](conversation cleared)[/]")
         elif name == "/system":
             self.system = rest or None
-            self.histories = [[] for _ in self.models]
+            self.histories, self.images = [[] for _ in self.models], [[] for _ in self.models]
             say("[dim](system prompt " + ("set" if self.system else "removed") + "; conversation cleared)[/]")
+        elif name == "/image":
+            self.attach(rest)
         elif name == "/set":
             try:
                 self.sampling = capped(parse_settings(rest.split(), self.sampling), self.context,
@@ -173,24 +191,49 @@ class Chat:
             say(f"[red]unknown command {name}[/]; /help lists them", highlight=False)
         return None
 
+    def attach(self, path: str) -> None:
+        """``/image PATH``: the image goes with the next message."""
+        from ftcore_plugins.common.images import ImageError
+
+        say = self.console.print
+        if not path:
+            say("[red]usage: /image PATH[/] (an image file, attached to your next message)", highlight=False)
+            return
+        text_models = [m.label for m in self.models if not m.vision]
+        if text_models:
+            say(f"[red]/image: {' and '.join(text_models)} is a text model and reads no images[/]", highlight=False)
+            return
+        try:
+            ref = image_reference(path)
+        except ImageError as exc:
+            say(f"/image: {exc}", style="red", highlight=False, markup=False)
+            return
+        self.pending.append(ref)
+        say(f"(image {ref} goes with your next message)", style="dim", highlight=False, markup=False)
+
     def answer_all(self, text: str) -> None:
-        for model, history in zip(self.models, self.histories):
+        from ftcore_plugins.common.images import IMAGE
+
+        answered = False
+        for k, (model, history) in enumerate(zip(self.models, self.histories)):
             if len(self.models) > 1:
                 self.console.print(f"[bold cyan]{model.label}:[/]", highlight=False)
-            turn = [{"role": "user", "content": text}]
+            # Attached images go before the text of the message, as a data row's images without placeholders.
+            turn = [{"role": "user", "content": IMAGE * len(self.pending) + text}]
+            images = self.images[k] + self.pending
             system = [{"role": "system", "content": self.system}] if self.system else []
             try:
                 prompt = model.render(system + history + turn)
                 sampling = self.sampling
                 context = context_length(model)
                 if context is not None:  # the answer gets what the conversation leaves of the context
-                    room = context - len(model.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    room = context - model.prompt_tokens(prompt, images)
                     if room < 1:
                         self.console.print(f"[red]the conversation fills the model's context ({context} tokens): "
                                            "/reset to start again[/]", highlight=False)
                         return
                     sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
-                answer = self.stream(model, prompt, sampling)
+                answer = self.stream(model, prompt, sampling, images)
             except KeyboardInterrupt:
                 print("\n(stopped; this turn is forgotten)", flush=True)
                 return
@@ -199,12 +242,16 @@ class Chat:
                 self.console.print(f"[red]error:[/] {type(exc).__name__}: {exc}", highlight=False)
                 return
             history += [*turn, {"role": "assistant", "content": answer}]
+            self.images[k] = images
+            answered = True
+        if answered:
+            self.pending = []
 
-    def stream(self, model: Any, prompt: str, sampling: Any = None) -> str:
+    def stream(self, model: Any, prompt: str, sampling: Any = None, images: list[str] | None = None) -> str:
         """Print the answer as plain text while it is generated; return it stripped."""
         pieces: list[str] = []
         started = False
-        for piece in model.stream(prompt, sampling or self.sampling):
+        for piece in model.stream(prompt, sampling or self.sampling, images or None):
             pieces.append(piece)
             if not started:  # the answer starts at its first visible character
                 piece = piece.lstrip()
@@ -232,6 +279,9 @@ class ChatCommand(Command):
                             help="also answer every message with this model, shown first: 'base' (before "
                                  "training) or a stage's name")
         parser.add_argument("--system", metavar="TEXT", help="a system prompt to start with")
+        parser.add_argument("--image", metavar="PATH", action="append", default=[],
+                            help="attach this image to your first message (a vision-language model's run; "
+                                 "repeat for several); in the chat, /image PATH attaches one to the next")
         add_sampling_arguments(parser)
 
     def run(self, args: argparse.Namespace) -> int:
@@ -259,11 +309,24 @@ class ChatCommand(Command):
             import readline  # noqa: F401 - line editing and history for input()
         except ImportError:
             pass
+        from ftcore_plugins.common.images import ImageError
+        from ftcore_plugins.commands.generate import text_model
+
         sampling = sampling_from(args)
+        images = []
+        for path in args.image:  # checked before anything loads
+            try:
+                images.append(image_reference(path))
+            except ImageError as exc:
+                raise FtcoreError(f"--image {path}: {exc}") from None
         console, notes = Console(soft_wrap=True), Console(stderr=True, soft_wrap=True)
         run = Run(args.run_dir, notes)
         if args.compare is not None:
             run.check_stage(args.compare)  # before loading anything
+        refusal = f"--image: {run.shown}'s model is a text model, which reads no images; images need a " \
+                  "vision-language model's run (docs/vision.md)"
+        if images and args.export is None and text_model(run.plan):  # known without loading
+            raise FtcoreError(refusal)
         model = run.model(stage=args.stage, export=args.export)
         models = [model]
         if args.compare is not None:
@@ -274,10 +337,15 @@ class ChatCommand(Command):
         known = [c for c in (context_length(m) for m in models) if c is not None]
         sampling = capped(sampling, min(known) if known else None,
                           lambda note: notes.print(note, style="dim", highlight=False))
+        if images and not all(m.vision for m in models):
+            raise FtcoreError(refusal)
         names = " and ".join(m.label for m in models)
         console.print(f"[bold]ftcore chat[/]: {run.shown}: {names}; template '{run.plan.template.name}'; "
                       f"{sampling.describe()}. /help for commands, Ctrl-D to quit.", highlight=False)
-        return Chat(models, sampling, args.system, console).loop()
+        if images:
+            console.print(f"({len(images)} image(s) go with your first message: {', '.join(images)})", style="dim",
+                          highlight=False, markup=False)
+        return Chat(models, sampling, args.system, console, images).loop()
 
 
 @ftcore.hookimpl

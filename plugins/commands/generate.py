@@ -27,6 +27,7 @@ class InputRow:
     prompt: str | list[dict]  # messages, or text used as it is (--raw)
     reference: str | None
     id: Any = None
+    images: list[str] | None = None  # image references (absolute paths, data: URLs), one per <image>, in order
 
 
 def read_inputs(path: Path, shown: str, raw: bool) -> list[InputRow]:
@@ -36,11 +37,16 @@ def read_inputs(path: Path, shown: str, raw: bool) -> list[InputRow]:
     ``generation`` evaluator treats prompt/completion rows); chat rows in any format the data sources
     read (OpenAI messages, ShareGPT, Alpaca) end with the prompt, or with a reference answer that is left
     out of the prompt and written beside the model's answer, as the evaluator does; ``completion`` is a
-    string prompt's reference."""
+    string prompt's reference.
+
+    A row may hold images as training rows do (docs/vision.md): image content parts, or an ``images`` list
+    with ``<image>`` placeholders (none: before the first user turn's text), paths relative to the input
+    file's folder. Each image is checked (it exists and decodes) here, before any model loads."""
     from ftcore_plugins.common.formats import RowError, convert
 
     if not path.is_file():
         raise FtcoreError(f"{shown}: no such input file")
+    base = str(path.resolve().parent)
     rows: list[InputRow] = []
     with path.open(encoding="utf-8") as fh:
         for number, text in enumerate(fh, 1):
@@ -57,19 +63,28 @@ def read_inputs(path: Path, shown: str, raw: bool) -> list[InputRow]:
             if reference is not None and not isinstance(reference, str):
                 raise FtcoreError(f"{where}: 'completion' (the reference answer) must be a string")
             prompt: Any = row.get("prompt")
+            given = {"images": row["images"]} if "images" in row else {}
+            images = None
             try:
                 if isinstance(prompt, str):
                     if not prompt.strip():
                         raise RowError("'prompt' is empty")
+                    if raw and given:
+                        raise RowError("a --raw prompt is given to the model as it is, without the chat template, "
+                                       "so it cannot hold images; give it without --raw")
                     if not raw:
                         prompt = [{"role": "user", "content": prompt}]
+                    if given:  # {"prompt": "...", "images": [...]}: the user turn with its images
+                        _, _, converted = convert({"messages": prompt, **given}, "messages", base=base)
+                        prompt, images = converted["messages"], converted.get("images")
                 elif prompt is not None:
-                    _, _, converted = convert({"messages": prompt}, "messages")
-                    prompt = converted["messages"]
+                    _, _, converted = convert({"messages": prompt, **given}, "messages", base=base)
+                    prompt, images = converted["messages"], converted.get("images")
                 else:
                     if not any(k in row for k in ("messages", "conversations", "instruction")):
                         raise RowError(f"no prompt: give {ACCEPTED} (the row has: {', '.join(row) or 'nothing'})")
-                    _, kind, converted = convert(row)
+                    _, kind, converted = convert(row, base=base)
+                    images = converted.get("images")
                     if kind != "chat":
                         raise RowError(f"a {kind} row; give {ACCEPTED}")
                     prompt = converted["messages"]
@@ -80,10 +95,28 @@ def read_inputs(path: Path, shown: str, raw: bool) -> list[InputRow]:
                         raise RowError("the conversation has only an answer, no prompt before it")
             except RowError as exc:
                 raise FtcoreError(f"{where}: {exc}") from None
-            rows.append(InputRow(number, prompt, reference, row.get("id")))
+            rows.append(InputRow(number, prompt, reference, row.get("id"), images))
     if not rows:
         raise FtcoreError(f"{shown}: no rows")
     return rows
+
+
+def text_model(plan: Any) -> bool:
+    """Whether the plan's model is known to be a text model without loading it: a ``scratch`` text
+    architecture, or a local folder whose config.json has no vision tower (a hub id: not known yet)."""
+    from ftcore_plugins.exporters._vision import plan_vision_model
+
+    if plan_vision_model(plan) is not None:
+        return False
+    if plan.model.name == "scratch":
+        return True
+    path = getattr(plan.model.options, "path", None)
+    return path is not None and (Path(str(path)) / "config.json").is_file()
+
+
+def images_refused(shown: str, row: InputRow, run: str, what: str) -> str:
+    return (f"{shown}:{row.line}: this row holds {len(row.images or [])} image(s), and {run}'s model is {what}, "
+            "which reads text only; images need a vision-language model's run (docs/vision.md)")
 
 
 def normalize(text: str) -> str:
@@ -130,7 +163,12 @@ class GenerateCommand(Command):
         rows = read_inputs(Path(args.input), args.input, args.raw)  # bad input fails before the model loads
         console = Console(stderr=True, soft_wrap=True)
         run = Run(args.run_dir, console)
+        with_images = next((r for r in rows if r.images), None)
+        if with_images is not None and args.export is None and text_model(run.plan):  # known without loading
+            raise FtcoreError(images_refused(args.input, with_images, run.shown, "a text model"))
         model = run.model(stage=args.stage, export=args.export)
+        if with_images is not None and not model.vision:
+            raise FtcoreError(images_refused(args.input, with_images, run.shown, f"a text model ({model.label})"))
         # As ftcore chat: no answer is longer than the model's context; a longer --max-new-tokens is capped, saying so.
         sampling = capped(sampling, context_length(model), lambda note: console.print(note, highlight=False))
         prompts = []
@@ -143,14 +181,18 @@ class GenerateCommand(Command):
                 raise FtcoreError(f"{args.input}:{row.line}: template '{run.plan.template.name}' cannot render "
                                   f"this conversation: {type(exc).__name__}: {exc}") from None
         with Reporter(console, None, None, None).progress(f"generate ({model.label})", len(prompts)) as bar:
-            answers = model.answers(prompts, sampling, args.batch_size, bar)
+            images = [r.images or [] for r in rows] if with_images is not None else None
+            answers = model.answers(prompts, sampling, args.batch_size, bar, images)
 
         tmp = output.with_name(output.name + ".tmp")
         output.parent.mkdir(parents=True, exist_ok=True)
         with tmp.open("w", encoding="utf-8") as fh:
             for row, prompt, answer in zip(rows, prompts, answers):
                 record: dict[str, Any] = {} if row.id is None else {"id": row.id}
-                record.update({"prompt": prompt, "answer": answer})
+                record["prompt"] = prompt
+                if row.images:
+                    record["images"] = row.images
+                record["answer"] = answer
                 if row.reference is not None:
                     record["reference"] = row.reference
                 fh.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -8,9 +8,10 @@ from typing import Any
 
 
 def batched_answers(model: Any, tokenizer: Any, prompts: list[str], *, batch_size: int, progress: Any,
-                    seed: int | None = None, **generate_kwargs: Any) -> list[str]:
+                    seed: int | None = None, encode: Any = None, **generate_kwargs: Any) -> list[str]:
     """The model's answers to rendered ``prompts``; ``progress.advance(n)`` after each batch;
-    ``generate_kwargs`` (stop ids, sampling, ``max_new_tokens``) go to ``model.generate``."""
+    ``generate_kwargs`` (stop ids, sampling, ``max_new_tokens``) go to ``model.generate``. ``encode(start,
+    texts)``, when given, makes a batch's left-padded inputs (a vision-language model's processor)."""
     import torch
 
     device = next(model.parameters()).device
@@ -23,8 +24,9 @@ def batched_answers(model: Any, tokenizer: Any, prompts: list[str], *, batch_siz
             torch.manual_seed(seed)
         with torch.no_grad():
             for start in range(0, len(prompts), batch_size):
-                batch = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
-                                  add_special_tokens=False).to(device)
+                texts = prompts[start:start + batch_size]
+                batch = encode(start, texts) if encode is not None else \
+                    tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
                 out = model.generate(**batch, **generate_kwargs)
                 new = out[:, batch["input_ids"].shape[1]:]
                 answers += [a.strip() for a in tokenizer.batch_decode(new, skip_special_tokens=True)]

@@ -169,6 +169,18 @@ class Run:
     def _merged(self, name: str, path: Path) -> Model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from ftcore_plugins.exporters._vision import vision_model_type
+        from ftcore_plugins.models import _checks
+
+        config, _ = _checks.read_config(path)
+        if vision_model_type(config) is not None:  # a VLM, saved with its processor (docs/vision.md)
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            from ftcore_plugins.common.vision import attach_processor
+
+            processor = AutoProcessor.from_pretrained(path)
+            return TransformersModel(f"export {name}", _on_device(AutoModelForImageTextToText.from_pretrained(path)),
+                                     attach_processor(processor.tokenizer, processor), self.runner.template)
         model = AutoModelForCausalLM.from_pretrained(path)
         return TransformersModel(f"export {name}", _on_device(model), AutoTokenizer.from_pretrained(path),
                                  self.runner.template)
@@ -235,19 +247,40 @@ class Model:
     template: Any
     stops: list[int] = field(default_factory=list)
 
+    @property
+    def vision(self) -> bool:
+        """Whether the model reads images (a vision-language model, with its processor)."""
+        from ftcore_plugins.common.vision import processor_of
+
+        return processor_of(self.tokenizer) is not None
+
     def render(self, messages: list[dict]) -> str:
-        """The conversation as the model sees it, ending with the template's generation prompt."""
+        """The conversation as the model sees it, ending with the template's generation prompt. For a
+        vision-language model, each ``<image>`` placeholder becomes the family's image token (unexpanded)."""
+        from ftcore_plugins.common.images import IMAGE
+        from ftcore_plugins.common.vision import IMAGE_TEMPLATES, image_template
+
+        if self.vision and (getattr(self.template, "name", None) in IMAGE_TEMPLATES
+                            or any(IMAGE in str(m.get("content")) for m in messages)):  # as the sft collator renders
+            return prompt_text({"messages": messages}, self.tokenizer, image_template(self.template))
         return prompt_text({"messages": messages}, self.tokenizer, self.template)
 
-    def stream(self, prompt: str, sampling: Sampling) -> Iterator[str]:
-        """The answer to the rendered ``prompt``, piece by piece as it is generated."""
+    def prompt_tokens(self, prompt: str, images: list | None = None) -> int:
+        """How many tokens the rendered ``prompt`` takes, its images' tokens included."""
+        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def stream(self, prompt: str, sampling: Sampling, images: list | None = None) -> Iterator[str]:
+        """The answer to the rendered ``prompt`` (``images``: the references of its images, one per image
+        token, in order), piece by piece as it is generated."""
         raise NotImplementedError
 
-    def answers(self, prompts: list[str], sampling: Sampling, batch_size: int, progress: Any) -> list[str]:
-        """Answers to rendered ``prompts``, in order; ``progress.advance(n)`` after each batch."""
+    def answers(self, prompts: list[str], sampling: Sampling, batch_size: int, progress: Any,
+                images: list[list] | None = None) -> list[str]:
+        """Answers to rendered ``prompts`` (``images``: each prompt's image references), in order;
+        ``progress.advance(n)`` after each batch."""
         out = []
-        for prompt in prompts:
-            out.append("".join(self.stream(prompt, sampling)).strip())
+        for k, prompt in enumerate(prompts):
+            out.append("".join(self.stream(prompt, sampling, images[k] if images else None)).strip())
             progress.advance(1)
         return out
 
@@ -261,7 +294,29 @@ class TransformersModel(Model):
         return {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": self.stops,
                 "pad_token_id": self.tokenizer.pad_token_id, **sampling.generate_kwargs()}
 
-    def stream(self, prompt: str, sampling: Sampling) -> Iterator[str]:
+    def inputs(self, prompts: list[str], images: list[list] | None = None) -> Any:
+        """The model's inputs for rendered ``prompts``, left-padded: the processor's (pixels and all) when
+        any prompt has images (``images``: each prompt's image references, decoded here), else the tokenizer's."""
+        from ftcore_plugins.common.images import load_image
+        from ftcore_plugins.common.vision import processor_of
+
+        device = next(self.model.parameters()).device
+        side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
+        try:
+            if images and any(images):
+                decoded = [[load_image(ref) for ref in refs] for refs in images]
+                batch = processor_of(self.tokenizer)(text=prompts, images=decoded, add_special_tokens=False,
+                                                     padding=True, return_tensors="pt")
+            else:
+                batch = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        finally:
+            self.tokenizer.padding_side = side
+        return batch.to(device)
+
+    def prompt_tokens(self, prompt: str, images: list | None = None) -> int:
+        return int(self.inputs([prompt], [images] if images else None)["input_ids"].shape[1])
+
+    def stream(self, prompt: str, sampling: Sampling, images: list | None = None) -> Iterator[str]:
         """transformers' TextIteratorStreamer, fed by ``generate`` in a thread. Closing the iterator early
         (Ctrl-C) stops the generation at its next token."""
         import torch
@@ -273,8 +328,7 @@ class TransformersModel(Model):
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((input_ids.shape[0],), stop.is_set(), dtype=torch.bool, device=input_ids.device)
 
-        device = next(self.model.parameters()).device
-        batch = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(device)
+        batch = self.inputs([prompt], [images] if images else None)
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True)
         failure: list[BaseException] = []
 
@@ -299,12 +353,18 @@ class TransformersModel(Model):
         if failure:
             raise failure[0]
 
-    def answers(self, prompts: list[str], sampling: Sampling, batch_size: int, progress: Any) -> list[str]:
-        """Batched as the ``generation`` evaluator batches (``common/generate.py``)."""
+    def answers(self, prompts: list[str], sampling: Sampling, batch_size: int, progress: Any,
+                images: list[list] | None = None) -> list[str]:
+        """Batched as the ``generation`` evaluator batches (``common/generate.py``); prompts with images go
+        through the processor, batch by batch (images decoded one batch at a time)."""
         from ftcore_plugins.common.generate import batched_answers
 
+        encode = None
+        if images is not None:
+            def encode(start: int, texts: list[str]) -> Any:
+                return self.inputs(texts, images[start:start + len(texts)])
         return batched_answers(self.model, self.tokenizer, prompts, batch_size=batch_size, progress=progress,
-                               seed=sampling.seed, **self._generate_args(sampling))
+                               seed=sampling.seed, encode=encode, **self._generate_args(sampling))
 
 
 def load_gguf(file: Path | str, **kwargs: Any) -> Any:
@@ -342,7 +402,7 @@ class LlamaCppModel(Model):
         super().__init__(label, tokenizer, template, stop_token_ids(tokenizer, template))
         self.llm = load_gguf(file, n_ctx=0, verbose=False)  # n_ctx 0: the model's own context
 
-    def stream(self, prompt: str, sampling: Sampling) -> Iterator[str]:
+    def stream(self, prompt: str, sampling: Sampling, images: list | None = None) -> Iterator[str]:
         import torch
         from transformers import TextStreamer
 

@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
-
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
 
@@ -45,7 +43,21 @@ use = "chatml"
 """
 
 
-class StepRecorder(TrainerCallback):
+def __getattr__(name: str) -> Any:
+    """``StepRecorder``, a transformers ``TrainerCallback``, made on first use: importing transformers takes
+    seconds (10 s on a busy machine), which the benchmarks that only need ``machine()`` or ``rss_anon()``
+    (and each of their per-arm processes) do not pay."""
+    if name == "StepRecorder":
+        from transformers import TrainerCallback
+
+        cls = type("StepRecorder", (_StepRecording, TrainerCallback),
+                   {"__doc__": _StepRecording.__doc__, "__module__": __name__})
+        globals()["StepRecorder"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _StepRecording:
     """Installed into ``transformers.trainer.DEFAULT_CALLBACKS``, so every Trainer built afterwards,
     ftcore's or a raw TRL one, carries it as its first callback. Per step: the time of
     ``on_step_begin`` (a step's time is the gap to the next one: forward, backward, optimizer and
@@ -100,11 +112,11 @@ class StepRecorder(TrainerCallback):
         and teardown, is not timed."""
         return [b - a for a, b in zip(self.begins[skip:], self.begins[skip + 1:])]
 
-    def install(self) -> StepRecorder:
+    def install(self) -> StepRecorder:  # noqa: F821 (made by __getattr__)
         import transformers.trainer
 
         defaults = transformers.trainer.DEFAULT_CALLBACKS
-        defaults[:] = [c for c in defaults if not isinstance(c, StepRecorder)] + [self]  # one recorder at a time
+        defaults[:] = [c for c in defaults if not isinstance(c, _StepRecording)] + [self]  # one recorder at a time
         return self
 
 

@@ -10,7 +10,7 @@ OpenMP threads sleep when they wait), and with ``GOMP_SPINCOUNT=300000``, libgom
 when no wait policy is set (threads spin about 3 ms at every barrier before they sleep), which is
 what ftcore ran with before. Steps/s is the SFT stage's ``global_step / train_seconds`` from its
 ``COMPLETE.json``.
-``--tiny`` is the test's mode: 8 steps, one repeat.
+``--tiny`` is the test's mode: one repeat of 4 SFT steps, without the pre-training stage.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ QUICKSTART = ROOT / "examples" / "quickstart"
 BUSY = "while True:\n    pass\n"
 
 
-def plan(folder: Path, name: str, steps: int) -> Path:
+def plan(folder: Path, name: str, steps: int, tiny: bool = False) -> Path:
     from ftcore.testing import to_toml
 
     raw = tomllib.loads((QUICKSTART / "plan.toml").read_text())
@@ -41,6 +41,8 @@ def plan(folder: Path, name: str, steps: int) -> Path:
     pretrain, sft = raw["stage"]
     pretrain.update(max_steps=20, save_steps=1000)
     sft.update(max_steps=steps, save_steps=1000)
+    if tiny:  # the SFT stage alone (its steps/s is what is measured), on the scratch model as built
+        raw["stage"] = [sft]
     raw.pop("evaluate", None)
     raw.pop("export", None)
     path = folder / f"{name}.toml"
@@ -48,10 +50,10 @@ def plan(folder: Path, name: str, steps: int) -> Path:
     return path
 
 
-def arm(folder: Path, name: str, steps: int, busy: int, env: dict[str, str]) -> float:
+def arm(folder: Path, name: str, steps: int, busy: int, env: dict[str, str], tiny: bool = False) -> float:
     competitors = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(busy)]
     try:
-        r = subprocess.run([sys.executable, "-m", "ftcore", "run", str(plan(folder, name, steps))],
+        r = subprocess.run([sys.executable, "-m", "ftcore", "run", str(plan(folder, name, steps, tiny))],
                            env={**os.environ, **env}, capture_output=True, text=True)
     finally:
         for p in competitors:
@@ -71,7 +73,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
-    steps, repeats = (8, 1) if a.tiny else (a.steps, a.repeats)
+    steps, repeats = (4, 1) if a.tiny else (a.steps, a.repeats)
     policies = {"passive (default)": {}, "spin 300k (before)": {"GOMP_SPINCOUNT": "300000"}}
     rates: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="ftcore-contention-") as tmp:
@@ -81,7 +83,7 @@ def main() -> None:
             for policy, env in (policies.items() if r % 2 == 0 else reversed(policies.items())):
                 for busy in ((0, a.busy) if r % 2 == 0 else (a.busy, 0)):
                     n += 1
-                    rates.setdefault((policy, busy), []).append(arm(folder, f"arm{n}", steps, busy, env))
+                    rates.setdefault((policy, busy), []).append(arm(folder, f"arm{n}", steps, busy, env, a.tiny))
     out = {f"{policy} / {busy} busy": statistics.median(v) for (policy, busy), v in rates.items()}
     if a.json:
         a.json.write_text(json.dumps({"rates": out, "steps": steps, "busy": a.busy}))

@@ -40,11 +40,11 @@ def plan_for(work: Path, name: str, sweep: dict | None, tiny: bool) -> Path:
         section["path"] = str((PLAN.parent / section["path"]).resolve())
     if tiny:  # a smaller model on fewer rows; the same stages, evaluations and space
         raw["model"].update(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
-        raw["data"]["corpus"]["limit"] = 300
-        raw["data"]["train"].update(limit=400, validation=40)
-        raw["data"]["eval"]["limit"] = 20
+        raw["data"]["corpus"]["limit"] = 100
+        raw["data"]["train"].update(limit=144, validation=16)  # 8 steps an epoch
+        raw["data"]["eval"]["limit"] = 8
         raw["stage"][0]["epochs"] = 1
-        raw["stage"][1].update(epochs=2, eval_steps=10, save_steps=20)
+        raw["stage"][1].update(epochs=2, eval_steps=4, save_steps=8)  # 4 evaluations for the pruner to compare
         raw["sweep"].update(trials=3, prune_startup_trials=1)
     if sweep is None:
         raw.pop("sweep")

@@ -78,16 +78,29 @@ def test_gpu_throughput_pairs_estimates_and_bin_padding():
     assert gt.bin_padding(ids, labels, pad_token_id=8) == 0
 
 
+OPTION_ARMS = ["neftune", "adamw-8bit", "loss-full", "unpacked", "sdpa-block", "liger", "flash-attention-2", "varlen"]
+
+
 @pytest.mark.slow
-def test_gpu_throughput_tiny_mode(tmp_path):
+def test_gpu_throughput_tiny_mode_and_its_option_arms(tmp_path):
+    """One tiny run, its three arms and an arm for each option: what the table and the JSON lines say is
+    what was measured; each option is an arm of its own, the CUDA-only ones written as skipped, a failing
+    one as failed. (The three arms alone were a test of their own, and ran again here.)"""
+    import torch
+
+    from ftcore_plugins.trainers.sft import SFTOptions
+
     steps, warmup = 5, 1
     out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", str(steps), "--warmup",
-                str(warmup), "--peak-tflops", "0.001", "--json", str(tmp_path / "r.json"),
-                "--jsonl", str(tmp_path / "r.jsonl"))
+                str(warmup), "--peak-tflops", "0.001", "--options", ",".join(OPTION_ARMS),
+                "--json", str(tmp_path / "r.json"), "--jsonl", str(tmp_path / "r.jsonl"))
     measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
     rows = table_rows(out)
-    assert [r[0] for r in rows] == ["tiny-lora-128"] * 3
-    assert [r[1].split(" (")[0] for r in rows] == ["HF+TRL defaults", "HF+TRL packing=True", "ftcore"]
+    labels = [r[1].split(" (")[0] for r in rows]
+    assert [r[0] for r in rows] == ["tiny-lora-128"] * 11
+    assert labels == ["HF+TRL defaults", "HF+TRL packing=True", "ftcore", "ftcore+neftune", "ftcore+adamw-8bit",
+                      "ftcore+loss-full", "ftcore+unpacked", "ftcore+sdpa-block", "ftcore+liger",
+                      "ftcore+flash-attention-2", "ftcore+varlen"]
     base, packed, ours = measured["baseline"], measured["baseline-packed"], measured["ftcore"]
     for row, arm in zip(rows, (base, packed, ours)):
         timed = arm["tokens_per_step"][warmup:warmup + arm["timed_steps"]]
@@ -115,40 +128,30 @@ def test_gpu_throughput_tiny_mode(tmp_path):
     assert packed["tokens_per_step"] == packed["positions_per_step"]
     assert sum(base["tokens_per_step"]) < sum(base["positions_per_step"])
     # The JSON lines: the start, the build, the data, each arm as it finished (baseline and ftcore before
-    # baseline-packed), and the equal-work pair once both of its arms were measured.
+    # baseline-packed, then the options), and each equal-work pair once both of its arms were measured.
     lines = json_lines(tmp_path / "r.jsonl")
-    assert [line["event"] for line in lines] == ["start", "build", "prepare", "arm", "arm", "arm", "pair", "end"]
-    assert [line["arm"] for line in lines if line["event"] == "arm"] == ["baseline", "ftcore", "baseline-packed"]
-    assert lines[0]["schedule"] == [["tiny-lora-128", a] for a in ("baseline", "ftcore", "baseline-packed")]
-    for line in lines[3:6]:
+    schedule = ["baseline", "ftcore", "baseline-packed", *(f"ftcore+{o}" for o in OPTION_ARMS)]
+    assert [line["event"] for line in lines if line["event"] != "pair"] == \
+        ["start", "build", "prepare", *["arm"] * len(schedule), "end"]
+    arms = [line for line in lines if line["event"] == "arm"]
+    assert [line["arm"] for line in arms] == schedule
+    assert lines[0]["schedule"] == [["tiny-lora-128", a] for a in schedule]
+    for line in arms[:3]:
         assert {k: v for k, v in line.items() if k in measured[line["arm"]] and k != "equal_work"} == \
             {k: v for k, v in measured[line["arm"]].items() if k != "equal_work"}
         assert line["memory_vs"] == ("baseline" if line["arm"] == "baseline" else "baseline-packed")
-    pair = lines[6]
-    assert (pair["run"], pair["arm"], pair["reference"], pair["same_tokens_per_step"]) == \
-        ("tiny-lora-128", "ftcore", "baseline-packed", True)
+    # ftcore's pair, written as soon as baseline-packed (its reference, measured after it) was.
+    at = lines.index(next(line for line in lines if line["event"] == "arm" and line["arm"] == "baseline-packed"))
+    pair = lines[at + 1]
+    assert (pair["event"], pair["run"], pair["arm"], pair["reference"], pair["same_tokens_per_step"]) == \
+        ("pair", "tiny-lora-128", "ftcore", "baseline-packed", True)
     assert pair["x_memory"] == pytest.approx(ours["peak_gib"] / packed["peak_gib"])
     assert pair["x_tokens_per_s"] == pytest.approx(ours["tokens_per_s"] / base["tokens_per_s"])
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
 
-
-@pytest.mark.slow
-def test_gpu_throughput_option_arms_tiny_mode(tmp_path):
-    """Each option is an arm of its own; the CUDA-only ones are written as skipped here, a failing one as failed."""
-    import torch
-
-    from ftcore_plugins.trainers.sft import SFTOptions
-
-    out = bench("gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps", "3", "--warmup", "1",
-                "--options", "neftune,adamw-8bit,loss-full,unpacked,sdpa-block,liger,flash-attention-2,varlen",
-                "--json", str(tmp_path / "r.json"), "--jsonl", str(tmp_path / "r.jsonl"))
-    measured = json.loads((tmp_path / "r.json").read_text())["tiny-lora-128"]
-    labels = [r[1].split(" (")[0] for r in table_rows(out)]
-    assert labels == ["HF+TRL defaults", "HF+TRL packing=True", "ftcore", "ftcore+neftune", "ftcore+adamw-8bit",
-                      "ftcore+loss-full", "ftcore+unpacked", "ftcore+sdpa-block", "ftcore+liger",
-                      "ftcore+flash-attention-2", "ftcore+varlen"]
+    # The option arms.
     for arm in ("ftcore+neftune", "ftcore+adamw-8bit", "ftcore+loss-full", "ftcore+unpacked"):
-        assert measured[arm]["timed_tokens"] > 0 and len(measured[arm]["losses"]) == 3
+        assert measured[arm]["timed_tokens"] > 0 and len(measured[arm]["losses"]) == steps
     assert measured["ftcore+loss-full"]["chosen"]["loss_kernel"] == "full"
     # The same batches and weights: the loss kernels agree; NEFTune's noise changes the first step's loss.
     assert measured["ftcore+loss-full"]["losses"] == pytest.approx(measured["ftcore"]["losses"], abs=1e-5)
@@ -173,7 +176,6 @@ def test_gpu_throughput_option_arms_tiny_mode(tmp_path):
         assert measured["ftcore+liger"] == measured["ftcore+flash-attention-2"] == measured["ftcore+varlen"] == \
             {"skipped": "needs CUDA"}
         assert "skipped: needs CUDA (unmeasured)" in out
-    arms = [line for line in json_lines(tmp_path / "r.jsonl") if line["event"] == "arm"]
     assert len(arms) == len(labels) and {line["arm"] for line in arms} == set(measured)
 
 
@@ -422,13 +424,13 @@ def test_real_positions_count_padding_out_of_every_mask_shape():
 
 @pytest.mark.slow
 def test_prepare_scale_tiny_mode(tmp_path):
-    """Each size is prepared by the ``ftcore prepare`` command (which drops the few rows its filters
-    call non-text) and raw-tokenized, the peaks are the process's own, and a preparation killed halfway reuses the shards it
-    finished and ends with the whole data's counts."""
+    """Each size (the tiny mode's one) is prepared by the ``ftcore prepare`` command (which drops the few rows
+    its filters call non-text) and raw-tokenized, the peaks are the process's own, and a preparation killed
+    halfway reuses the shards it finished and ends with the whole data's counts."""
     out = bench("prepare_scale.py", "--tiny", "--json", str(tmp_path / "r.json"))
     measured = json.loads((tmp_path / "r.json").read_text())
     sizes = [r["rows"] for r in measured["results"]]
-    assert sizes == [2_000, 4_000]
+    assert sizes == [4_000]
     for r in measured["results"]:
         pr = r["prepare"]
         assert r["raw"]["rows"] == r["rows"] and 0.99 * r["rows"] <= pr["rows"] <= r["rows"] < pr["tokens"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -175,12 +176,24 @@ def installed(folder: Path, dist: str, tmp_path: Path):
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory):
     """The quickstart, run once per session in a copy of examples/quickstart; its run folder, which tests
-    only read (copy it to change it)."""
-    project = tmp_path_factory.mktemp("quickstart-run") / "quickstart"
-    shutil.copytree(ROOT / "examples" / "quickstart", project, ignore=shutil.ignore_patterns("runs"))
-    result = run_cli("run", str(project / "plan.toml"), timeout=3600)  # ~45 s idle, over 10 min on a busy machine
-    assert result.returncode == 0, result.stderr[-3000:]
-    return project / "runs" / "quickstart"
+    only read (copy it to change it). Under pytest-xdist the workers share it: the first worker to ask
+    runs it in the session's temporary folder, the others wait for it (a lock) and read the same run."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own (new for every session)
+    shared = root / "quickstart-run"
+    with open(root / "quickstart-run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        outcome = shared / "outcome.json"
+        if not outcome.exists():
+            shutil.rmtree(shared, ignore_errors=True)
+            project = shared / "quickstart"
+            shutil.copytree(ROOT / "examples" / "quickstart", project, ignore=shutil.ignore_patterns("runs"))
+            result = run_cli("run", str(project / "plan.toml"), timeout=3600)  # ~45 s idle, 10 min on a busy machine
+            outcome.write_text(json.dumps({"returncode": result.returncode, "stderr": result.stderr[-3000:]}))
+        done = json.loads(outcome.read_text())
+    assert done["returncode"] == 0, done["stderr"]
+    return shared / "quickstart" / "runs" / "quickstart"
 
 
 # -- the working tree stays as it was -------------------------------------------------------------------

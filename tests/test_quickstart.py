@@ -12,16 +12,15 @@ from conftest import ROOT, run_cli
 pytestmark = pytest.mark.slow
 
 
-def test_quickstart_improves_the_task_and_exports_load(tmp_path):
+def test_quickstart_improves_the_task_and_exports_load(quickstart_run):
+    """The session's quickstart run (conftest.quickstart_run: `ftcore run` on a copy of examples/quickstart,
+    shared with the chat and generate tests, which only read it)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    project = tmp_path / "quickstart"
-    shutil.copytree(ROOT / "examples" / "quickstart", project, ignore=shutil.ignore_patterns("runs"))
-    result = run_cli("run", str(project / "plan.toml"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    run = project / "runs" / "quickstart"
+    run = quickstart_run
+    project = run.parent.parent
     evals = json.loads((run / "summary.json").read_text())["evaluations"]
     before, after = evals["before"], evals["after"]
     assert before["exact_match"]["exact_match"] <= 0.05

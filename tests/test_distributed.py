@@ -188,10 +188,19 @@ def test_killed_distributed_run_resumes(single, engine):
     family = _worker_pids(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    time.sleep(3)
-    alive = [pid for pid in family if Path(f"/proc/{pid}").exists()
-             and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
-    assert not alive, f"workers outlived the killed launcher: {alive}"
+
+    def alive() -> list[int]:
+        def running(pid: int) -> bool:
+            try:
+                return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+            except FileNotFoundError:  # gone (and reaped)
+                return False
+        return [pid for pid in family if running(pid)]
+
+    gone = time.monotonic() + 3  # the workers have 3 s to die with it
+    while alive() and time.monotonic() < gone:
+        time.sleep(0.05)
+    assert not alive(), f"workers outlived the killed launcher: {alive()}"
     assert json.loads((run_dir / "manifest.json").read_text())["status"] == "running"  # killed, not ended
     assert not (run_dir / "stages" / "pre" / "COMPLETE.json").exists()
 

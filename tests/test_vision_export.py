@@ -88,6 +88,14 @@ def test_a_text_model_is_not_taken_for_a_vlm(tmp_path, qwen25_tiny_model):
     assert plan_vision_model(plan("scratch", architecture="gemma3")) == "gemma3"
 
 
+def test_every_scratch_vlm_is_told_from_the_plan():
+    """plugins/common/vlm.py's list (read without loading anything) is the scratch loader's VLM families."""
+    from ftcore_plugins.common.vlm import VLM_ARCHITECTURES
+    from ftcore_plugins.models._vlm import FAMILIES as BUILT
+
+    assert sorted(VLM_ARCHITECTURES) == sorted(BUILT)
+
+
 def test_the_adapter_export_holds_the_processor_and_generates_on_its_base(tmp_path):
     """A LLaVA LoRA run exported as `adapter`: peft's PeftModel on the recorded base and AutoProcessor from the
     export folder generate from an image in plain transformers, the adapter changing the base's output;

@@ -104,7 +104,7 @@ def read_inputs(path: Path, shown: str, raw: bool) -> list[InputRow]:
 def text_model(plan: Any) -> bool:
     """Whether the plan's model is known to be a text model without loading it: a ``scratch`` text
     architecture, or a local folder whose config.json has no vision tower (a hub id: not known yet)."""
-    from ftcore_plugins.exporters._vision import plan_vision_model
+    from ftcore_plugins.common.vlm import plan_vision_model
 
     if plan_vision_model(plan) is not None:
         return False

@@ -169,11 +169,9 @@ class Run:
     def _merged(self, name: str, path: Path) -> Model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from ftcore_plugins.exporters._vision import vision_model_type
-        from ftcore_plugins.models import _checks
+        from ftcore_plugins.common.vlm import read_config, vision_model_type
 
-        config, _ = _checks.read_config(path)
-        if vision_model_type(config) is not None:  # a VLM, saved with its processor (docs/vision.md)
+        if vision_model_type(read_config(path)) is not None:  # a VLM, saved with its processor (docs/vision.md)
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
             from ftcore_plugins.common.vision import attach_processor

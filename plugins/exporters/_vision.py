@@ -4,36 +4,11 @@ else when the export runs. ``merged`` and ``adapter`` export a VLM with its proc
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ftcore.errors import FtcoreError
 
-
-def plan_vision_model(plan: Any) -> str | None:
-    """The model type of the plan's model when it is a vision-language model, found without loading: the
-    ``scratch`` loader's VLM architectures, or a local folder whose ``config.json`` has a ``vision_config``
-    (as every transformers VLM config has). None for a text model, or when it cannot be known yet (a hub id)."""
-    from ftcore_plugins.models import _checks
-    from ftcore_plugins.models._vlm import FAMILIES
-
-    options = plan.model.options
-    if plan.model.name == "scratch":
-        architecture = getattr(options, "architecture", None)
-        return architecture if architecture in FAMILIES else None
-    path = getattr(options, "path", None)
-    if path is None or not Path(str(path)).is_dir():
-        return None
-    config, _ = _checks.read_config(Path(str(path)))
-    return vision_model_type(config)
-
-
-def vision_model_type(config: Any) -> str | None:
-    """The model type of a config (config.json's dict or a transformers config) that has a vision tower."""
-    if config is None:
-        return None
-    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
-    return str(get("model_type") or "unknown") if get("vision_config") is not None else None
+from ftcore_plugins.common.vlm import plan_vision_model, vision_model_type  # noqa: F401 (the exporters' names)
 
 
 def refusal(exporter: str, kind: str, why: str) -> str:

@@ -541,20 +541,20 @@ def test_template_parity_tiny_mode(tmp_path):
 @pytest.mark.slow
 def test_new_tokens_tiny_mode(tmp_path):
     """The quickstart plan with chatml, with chatml on a tokenizer without its markers, with llama3 and with
-    chatml's own markers trained under LoRA: the new-token arms did add their tokens (the chatml ones none),
+    chatml's own markers frozen under LoRA: the new-token arms did add their tokens (the chatml ones none),
     and the table, means, spreads and differences agree with the per-run results."""
     before = sorted(p.name for p in (ROOT / "examples" / "quickstart").iterdir())
     out = bench("new_tokens.py", "--tiny", "--jobs", "4", "--json", str(tmp_path / "r.json"), timeout=1800)
     measured = json.loads((tmp_path / "r.json").read_text())
     runs = {r["arm"]: r for r in measured["results"]}
-    assert sorted(runs) == ["chatml", "chatml-new", "chatml-trained", "llama3"]
+    assert sorted(runs) == ["chatml", "chatml-frozen", "chatml-new", "llama3"]
     assert all(r["answers"] == 10 for r in runs.values())
-    assert runs["chatml"]["added"] == runs["chatml-trained"]["added"] == []
+    assert runs["chatml"]["added"] == runs["chatml-frozen"]["added"] == []
     assert runs["chatml-new"]["added"] == ["<|im_start|>", "<|im_end|>"]
     assert runs["llama3"]["added"] == ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     header, row, mean, std = table_rows(out)
     assert header[0] == "seed" and row[0] == "1"
-    arms = ["chatml", "chatml-new", "llama3", "chatml-trained"]
+    arms = ["chatml", "chatml-new", "llama3", "chatml-frozen"]
     assert row[1:] == [c for a in arms for c in (f"{runs[a]['exact_match']:.2f}", f"{runs[a]['stopped']}/10")]
     assert mean[1::2] == [f"{measured['mean'][a]:.3f}" for a in arms]
     assert std[1::2] == ["0.000"] * 4  # one seed

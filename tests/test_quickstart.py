@@ -24,7 +24,9 @@ def test_quickstart_improves_the_task_and_exports_load(quickstart_run):
     evals = json.loads((run / "summary.json").read_text())["evaluations"]
     before, after = evals["before"], evals["after"]
     assert before["exact_match"]["exact_match"] <= 0.05
-    assert after["exact_match"]["exact_match"] >= 0.8
+    # 1.00 here (two threads, as conftest runs it), 0.92 on average over seeds 1-5 at one: above what a model
+    # that answers every prompt with one animal can score (0.2), with room for another CPU's arithmetic.
+    assert after["exact_match"]["exact_match"] >= 0.5
     assert after["perplexity"]["perplexity"] < before["perplexity"]["perplexity"] / 10
 
     merged_dir = run / "exports" / "merged"

@@ -1,7 +1,7 @@
 """What a sweep's two savings are worth: the shared stages (trained once, base loaded once) and pruning.
 
     python benchmarks/sweep.py                 # examples/sweep/plan.toml: 12 TPE trials, three arms (~20 min)
-    python benchmarks/sweep.py --tiny          # a 3-trial version on a smaller model, for the tests
+    python benchmarks/sweep.py --tiny          # a 2-trial version on a smaller model, for the tests
 
 Three arms of `ftcore sweep` on the same plan and space, one after another, each in its own folder:
   plain    pruner "none", share_stages false: every trial pre-trains and loads its own base;
@@ -45,7 +45,7 @@ def plan_for(work: Path, name: str, sweep: dict | None, tiny: bool) -> Path:
         raw["data"]["eval"]["limit"] = 8
         raw["stage"][0]["epochs"] = 1
         raw["stage"][1].update(epochs=2, eval_steps=4, save_steps=8)  # 4 evaluations for the pruner to compare
-        raw["sweep"].update(trials=3, prune_startup_trials=1)
+        raw["sweep"].update(trials=2, prune_startup_trials=1)
     if sweep is None:
         raw.pop("sweep")
     else:
@@ -63,7 +63,7 @@ def ftcore(*args: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="3 trials on a smaller model (for the tests)")
+    parser.add_argument("--tiny", action="store_true", help="2 trials on a smaller model (for the tests)")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it (default: a temporary one)")

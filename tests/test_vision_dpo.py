@@ -14,6 +14,7 @@ import pytest
 
 from conftest import run_cli
 from test_vision_labels import FAMILIES, TOKENIZERS, built, native, png
+from test_vision_sft import plan_head
 
 pytestmark = pytest.mark.skipif(not TOKENIZERS.is_dir(), reason="../shared/fixtures/tokenizers is absent")
 
@@ -186,21 +187,7 @@ def test_a_short_dpo_run_on_image_pairs_raises_reward_accuracy(tmp_path):
                                 "chosen": [{"role": "assistant", "content": f"{color}."}],
                                 "rejected": [{"role": "assistant", "content": f"{other}."}]}) + "\n")
     plan = tmp_path / "plan.toml"
-    plan.write_text(f"""[run]
-seed = 0
-output_dir = "runs"
-
-[model]
-use = "scratch"
-architecture = "llava"
-hidden_size = 32
-num_layers = 2
-num_heads = 2
-tokenizer = "{TOKENIZERS / FAMILIES['llava'][0]}"
-
-[template]
-use = "native"
-
+    plan.write_text(plan_head("llava") + f"""
 [data.pairs]
 use = "jsonl"
 path = "data/pairs.jsonl"

@@ -30,9 +30,10 @@ def write_data(folder: Path, n: int = 16) -> None:
                                 "images": [f"{color}.png"]}) + "\n")
 
 
-def write_plan(folder: Path, family: str, extra: str = "") -> Path:
-    plan = folder / "plan.toml"
-    plan.write_text(f"""[run]
+def plan_head(family: str) -> str:
+    """The [run], [model] (a tiny scratch ``family`` VLM on its real tokenizer) and [template] tables of the
+    vision tests' plans."""
+    return f"""[run]
 seed = 0
 output_dir = "runs"
 
@@ -46,7 +47,12 @@ tokenizer = "{TOKENIZERS / FAMILIES[family][0]}"
 
 [template]
 use = "native"
+"""
 
+
+def write_plan(folder: Path, family: str, extra: str = "") -> Path:
+    plan = folder / "plan.toml"
+    plan.write_text(plan_head(family) + f"""
 [data.train]
 use = "jsonl"
 path = "data/train.jsonl"

@@ -249,3 +249,22 @@ def test_run_writes_predictions_equal_to_greedy_generate_and_true_metrics(tiny_m
                                                  for p in predictions) / 10)
     for metric in ALL:
         assert report[f"{metric}/ci_low"] <= report[metric] <= report[f"{metric}/ci_high"]
+
+
+@pytest.mark.parametrize("name, stops", [("gemma-cropped", ["<eos>", "<end_of_turn>"]), ("llama3", ["<|eot_id|>"]),
+                                         ("qwen25", ["<|im_end|>"])])
+def test_a_native_template_stops_where_its_turns_end(name, stops):
+    """A template that declares no stop token (native, jinja) stops where its rendering closes an assistant
+    turn, the token its labels train: Gemma's EOS is <eos>, but its turns end with <end_of_turn>."""
+    from conftest import SHARED
+    from transformers import AutoTokenizer
+
+    from ftcore_plugins.common.chat import stop_token_ids
+    from ftcore_plugins.templates.native import NativeTemplate
+
+    folder = SHARED / "tokenizers" / name
+    if not folder.is_dir():
+        pytest.skip(f"{folder} is absent")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = stop_token_ids(tokenizer, NativeTemplate(NativeTemplate.Options()))
+    assert tokenizer.convert_ids_to_tokens(ids) == stops

@@ -204,3 +204,31 @@ def test_images_in_a_format_that_does_not_read_them_are_refused(tmp_path):
     assert error(tmp_path, source("jsonl", write(tmp_path, "d.jsonl", lines(row)))) == \
         "data.train: data/d.jsonl:1: alpaca rows with images are not read yet: images are read in chat rows " \
         "(messages, ShareGPT conversations) and preference pairs with a prompt"
+
+
+def test_validate_data_reads_images_relative_to_the_data_file(tmp_path):
+    """`ftcore validate --data` finds each image where a run finds it, beside the data file (not in the
+    working folder), renders each row with its image parts, and names a missing image by file, row and image."""
+    from conftest import run_cli
+    from test_vision_labels import FAMILIES, TOKENIZERS
+
+    if not TOKENIZERS.is_dir():
+        pytest.skip("../shared/fixtures/tokenizers is absent")
+    image_file(tmp_path, "img/a.png")
+    good = {"messages": [{"role": "user", "content": "<image>What is it?"}, answer()], "images": ["img/a.png"]}
+    write(tmp_path, "d.jsonl", lines(good, good))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(f'[model]\nuse = "scratch"\narchitecture = "llava"\nhidden_size = 32\nnum_layers = 1\n'
+                    f'num_heads = 2\ntokenizer = "{TOKENIZERS / FAMILIES["llava"][0]}"\n\n[template]\nuse = "native"\n\n'
+                    '[data.train]\nuse = "jsonl"\npath = "data/d.jsonl"\n\n'
+                    '[[stage]]\nname = "sft"\ntrainer = "sft"\ndata = "train"\nmax_steps = 1\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = run_cli("validate", str(plan), "--data", cwd=elsewhere, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "data: 2 rows read from 1 file(s) in 1 source(s); no bad rows" in done.stdout
+    write(tmp_path, "d.jsonl", lines(good, {**good, "images": ["img/gone.png"]}))
+    done = run_cli("validate", str(plan), "--data", cwd=elsewhere, timeout=600)
+    assert done.returncode == 2
+    assert f"data.train: data/d.jsonl:2: image 1 (images[0]): {tmp_path / 'data' / 'img' / 'gone.png'}: no such file" \
+        in done.stderr, done.stderr

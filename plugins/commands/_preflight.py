@@ -6,6 +6,32 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.vision import VisionEncoder, has_images, require_processor
+
+
+class ImageRows:
+    """A stage's rows with images as ``check`` and ``lr-find`` read them: each row rendered, labelled and
+    its images processed by the run's own encoder when it is read, a batch at a time with :meth:`batch`."""
+
+    def __init__(self, rows: Any, encoder: VisionEncoder):
+        self.rows, self.encoder = rows, encoder
+        self.image_ids = encoder.never  # the image and vision-placeholder tokens
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def batch(self, indices: Any) -> dict[str, Any]:
+        indices = list(indices)
+        return self.encoder([self._row(i) for i in indices], indices)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        batch = self.batch([i])
+        n = int(batch["attention_mask"][0].sum())
+        return {"input_ids": batch["input_ids"][0, :n].tolist(), "labels": batch["labels"][0, :n].tolist()}
+
+    def _row(self, i: int) -> dict:
+        return {k: v for k, v in self.rows[i].items() if k != "__index"}
+
 
 def supervised_rows(runner: Any, stage: Any, model: Any, tokenizer: Any) -> Any:
     """The stage's training rows as ``input_ids``/``labels`` (the trainer's own preparation where it has
@@ -22,6 +48,13 @@ def supervised_rows(runner: Any, stage: Any, model: Any, tokenizer: Any) -> Any:
     if hasattr(trainer, "prepare_data"):
         with calling(stage.trainer, "prepare_data"):
             train, _ = trainer.prepare_data(ctx)
+        if has_images(train):  # rows with images stay rows until a batch is built: build them as the run does
+            options = stage.trainer.options
+            where = data_origin(ctx, "train")[0]
+            encoder = VisionEncoder(require_processor(tokenizer, where), runner.template,
+                                    max_length=getattr(options, "max_length", None),
+                                    train_on_inputs=getattr(options, "train_on_inputs", False), where=where)
+            return ImageRows(train, encoder)
         return train
     rows = chosen_as_chat(ctx.train_data)
     columns = set(rows.column_names)
@@ -36,8 +69,11 @@ def supervised_rows(runner: Any, stage: Any, model: Any, tokenizer: Any) -> Any:
 
 
 def collate(rows: Any, indices: Any, tokenizer: Any) -> dict[str, Any]:
-    """Rows ``indices`` padded on the right into one batch."""
+    """Rows ``indices`` padded on the right into one batch (rows with images: the run's batch, pixels and all)."""
     import torch
+
+    if isinstance(rows, ImageRows):
+        return rows.batch(indices)
 
     ids = [rows[i]["input_ids"] for i in indices]
     labels = [rows[i]["labels"] for i in indices]

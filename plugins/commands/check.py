@@ -113,7 +113,7 @@ def check_stage(runner: Any, stage: Any, work: Path, args: argparse.Namespace, c
     batch = collate(rows, range(min(len(rows), options.batch_size)), tokenizer)
     optimizer = torch.optim.AdamW([p for _, p in trainable], lr=lr, weight_decay=0.0)
     model.train()
-    failures, losses, moved = [], [], set()
+    failures, losses, moved, reached = [], [], set(), set()
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         loss = model(**batch).loss
@@ -126,18 +126,26 @@ def check_stage(runner: Any, stage: Any, work: Path, args: argparse.Namespace, c
             if failures:
                 break
         if step < 2:  # a LoRA A matrix gets its first gradient once B has left zero, at step 2
+            reached |= {n for n, p in trainable if p.grad is not None}
             moved |= {n for n, p in trainable if p.grad is not None and bool(p.grad.abs().sum() > 0)}
         optimizer.step()
         losses.append(loss.item())
     if failures:
         return failures
     silent = [n for n, _ in trainable if n not in moved]
+    unused = [n for n in silent if n not in reached] if stage.adapter.name == "full" else []
+    if unused:  # full marks every weight trainable, read by the loss or not: the model's own design (LLaVA
+        # reads its vision tower before the final norm), not a choice of the plan's
+        console.print(f"note: {len(unused)} parameters are not on the loss's path (first: {unused[0]}): full "
+                      "fine-tuning cannot train them, and the gradient check leaves them out", highlight=False,
+                      soft_wrap=True)
+        silent = [n for n in silent if n not in unused]
     if silent:
         failures.append(f"{len(silent)} of {len(trainable)} trainable parameters got no gradient in two steps "
                         f"(first: {silent[0]}): they are not on the loss's path")
     else:
-        console.print(f"gradients: each of {len(trainable)} trainable parameters got a finite, non-zero one; no frozen "
-                      "parameter got any", highlight=False, soft_wrap=True)
+        console.print(f"gradients: each of {len(trainable) - len(unused)} trainable parameters got a finite, non-zero "
+                      "one; no frozen parameter got any", highlight=False, soft_wrap=True)
     if not supervised:
         console.print(f"overfit: not run for trainer '{stage.trainer.name}' (a preference loss)")
         return failures
@@ -155,16 +163,25 @@ def show_rows(rows: Any, tokenizer: Any, n: int, console: Any) -> None:
     """The first ``n`` rows as the model reads them: trained tokens in green, the rest dimmed."""
     from rich.text import Text
 
-    console.print(Text.assemble(("trained", "bold green"), " / ", ("not trained", "dim")))
+    images = getattr(rows, "image_ids", set())  # rows with images: their image tokens, shown as one run each
+    console.print(Text.assemble(("trained", "bold green"), " / ", ("not trained", "dim"),
+                                *((" / ", ("image tokens", "bold magenta")) if images else ())))
     for i in range(min(n, len(rows))):
         ids, labels = rows[i]["input_ids"], rows[i]["labels"]
         text, start = Text(), 0
+        kind = [2 if t in images else int(label != -100) for t, label in zip(ids, labels)]
         for end in range(1, len(ids) + 1):  # runs of tokens alike, decoded together (multi-byte characters)
-            if end == len(ids) or (labels[end] != -100) != (labels[start] != -100):
-                text.append(tokenizer.decode(ids[start:end]), style="bold green" if labels[start] != -100 else "dim")
+            if end == len(ids) or kind[end] != kind[start] or (kind[start] == 2 and ids[end] != ids[start]):
+                if kind[start] == 2:  # an image's tokens: the token and how many times it repeats
+                    token = tokenizer.convert_ids_to_tokens(ids[start])
+                    text.append(token + (f"×{end - start}" if end - start > 1 else ""), style="bold magenta")
+                else:
+                    text.append(tokenizer.decode(ids[start:end]), style="bold green" if kind[start] else "dim")
                 start = end
         trained = sum(label != -100 for label in labels)
-        console.print(f"row {i + 1}: {len(ids)} tokens, {trained} trained", style="bold", highlight=False)
+        shown = sum(k == 2 for k in kind)
+        console.print(f"row {i + 1}: {len(ids)} tokens, {trained} trained"
+                      + (f", {shown} image tokens" if images else ""), style="bold", highlight=False)
         console.print(text, soft_wrap=True)
 
 

@@ -309,11 +309,19 @@ class _NoProgress:
 
 
 def stop_token_ids(tokenizer: Any, template: Any) -> list[int]:
-    """EOS plus the template's end-of-turn tokens: generation stops at any of them."""
+    """EOS plus the template's end-of-turn tokens: generation stops at any of them. A template that
+    declares none (``native``, a ``jinja`` file) stops where its rendering closes an assistant turn, the
+    token its labels train (Gemma's ``<end_of_turn>``, a Llama 3 base tokenizer's ``<|eot_id|>``)."""
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
-    for tok in getattr(template, "stop_tokens", ()):
+    tokens = getattr(template, "stop_tokens", ()) or ()
+    if not tokens and template is not None and getattr(tokenizer, "get_vocab", None) is not None:
+        try:
+            tokens = SpanLocator(template, tokenizer).end_tokens()
+        except Exception:  # a template that cannot render the probe: EOS alone, as before
+            tokens = ()
+    for tok in tokens:
         tid = tokenizer.convert_tokens_to_ids(tok)
         if tid is not None and tid != tokenizer.unk_token_id and tid not in ids:
             ids.append(tid)

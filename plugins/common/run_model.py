@@ -293,23 +293,10 @@ class TransformersModel(Model):
                 "pad_token_id": self.tokenizer.pad_token_id, **sampling.generate_kwargs()}
 
     def inputs(self, prompts: list[str], images: list[list] | None = None) -> Any:
-        """The model's inputs for rendered ``prompts``, left-padded: the processor's (pixels and all) when
-        any prompt has images (``images``: each prompt's image references, decoded here), else the tokenizer's."""
-        from ftcore_plugins.common.images import load_image
-        from ftcore_plugins.common.vision import processor_of
+        """The model's inputs for rendered ``prompts``, left-padded (``images``: each prompt's image references)."""
+        from ftcore_plugins.common.vision import prompt_inputs
 
-        device = next(self.model.parameters()).device
-        side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
-        try:
-            if images and any(images):
-                decoded = [[load_image(ref) for ref in refs] for refs in images]
-                batch = processor_of(self.tokenizer)(text=prompts, images=decoded, add_special_tokens=False,
-                                                     padding=True, return_tensors="pt")
-            else:
-                batch = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-        finally:
-            self.tokenizer.padding_side = side
-        return batch.to(device)
+        return prompt_inputs(self.tokenizer, prompts, images).to(next(self.model.parameters()).device)
 
     def prompt_tokens(self, prompt: str, images: list | None = None) -> int:
         return int(self.inputs([prompt], [images] if images else None)["input_ids"].shape[1])

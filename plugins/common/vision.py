@@ -250,6 +250,31 @@ def processor_of(tokenizer: Any) -> Any | None:
     return getattr(tokenizer, "ftcore_processor", None)
 
 
+def prompt_inputs(tokenizer: Any, prompts: list[str], images: list[list] | None = None) -> Any:
+    """Left-padded model inputs for rendered ``prompts``: the processor's (pixels and all) when any prompt
+    has images (``images``: each prompt's image references, decoded here), else the tokenizer's."""
+    processor = processor_of(tokenizer) if images and any(images) else None
+    pads = getattr(processor, "tokenizer", tokenizer)  # the tokenizer that pads: the processor's own
+    side, pads.padding_side = pads.padding_side, "left"  # decoder-only models generate from the right
+    try:
+        if processor is not None:
+            decoded = [[load_image(ref) for ref in refs] for refs in images]
+            return processor(text=prompts, images=decoded, add_special_tokens=False, padding=True,
+                             return_tensors="pt")
+        return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    finally:
+        pads.padding_side = side
+
+
+def require_processor(tokenizer: Any, where: str) -> Any:
+    """The processor the loader attached to ``tokenizer``; one line when the model reads text only."""
+    processor = processor_of(tokenizer)
+    if processor is None:
+        raise FtcoreError(f"{where}: the rows hold images, but the model is a text model (its loader gave no "
+                          "processor); images need a vision-language model (docs/vision.md)")
+    return processor
+
+
 def has_images(data: Any) -> bool:
     """Whether a dataset holds chat rows with images (an ``images`` column)."""
     return data is not None and "images" in (getattr(data, "column_names", None) or [])

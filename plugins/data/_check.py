@@ -31,7 +31,7 @@ from ftcore.errors import FtcoreError
 from ftcore.reporter import Reporter
 
 from ftcore_plugins.common import formats as F
-from ftcore_plugins.data._source import RowSource, Unit, _one_line, _quiet_datasets, placeholder_warning
+from ftcore_plugins.data._source import RowSource, Unit, _base, _one_line, _quiet_datasets, placeholder_warning
 
 RENDERED_KINDS = ("chat", "completion", "text")  # what row_samples turns into samples
 BATCH = 1000
@@ -158,7 +158,8 @@ def plan_tokenizer(plan: Any, load_data: Any) -> tuple[Any, str | None]:
         return None, f"rows not rendered: model '{plan.model.name}' names no tokenizer to load without the model"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, None
+    with_processor = getattr(loader, "with_processor", None)  # a scratch VLM: its family's tokens and template
+    return (with_processor(tokenizer) if with_processor is not None else tokenizer), None
 
 
 def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
@@ -199,10 +200,20 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
         locator = SpanLocator(template, tokenizer)  # one for all rows: what it learns of the template is kept
         title = template_title(template)
 
+        images: list[Any] = []  # the template and locator for rows with images, made at the first such row
+
         def render(row: dict, train_on_inputs: bool) -> None:
+            use, spans = template, locator
+            if row.get("images"):  # rendered as the run renders them: each <image> an image part
+                if not images:
+                    from ftcore_plugins.common.vision import image_template
+
+                    images.append(image_template(template))
+                    images.append(SpanLocator(images[0], tokenizer))
+                use, spans = images
             try:
-                row_samples(row, tokenizer, template, train_on_inputs=train_on_inputs, add_eos_to_text=True,
-                            locator=locator)
+                row_samples(row, tokenizer, use, train_on_inputs=train_on_inputs, add_eos_to_text=True,
+                            locator=spans)
             except FtcoreError as exc:
                 message = str(exc)
                 raise FtcoreError(message if message.startswith("template ") else f"{title}: {message}") from None
@@ -340,7 +351,7 @@ def _check_unit(unit: Unit, fmt: str, columns: dict, placeholders: str, on_error
     for i, row in enumerate(_rows(unit)):
         try:
             _, row_kind, converted, placeholder = F.convert_kind(
-                row, fmt, kind[0], columns=columns, strings=unit.strings, placeholders=placeholders)
+                row, fmt, kind[0], columns=columns, strings=unit.strings, placeholders=placeholders, base=_base(unit))
         except F.RowError as exc:
             bad.append((i, str(exc), exc.reason, exc.reason == "mixed_kind"
                         or (on_error == "error" and exc.reason not in F.ALWAYS_SKIP)))

@@ -149,9 +149,10 @@ def reference_text(row: dict) -> str:
 
 
 def generate_answers(ctx: Any, prompts: list[str], *, max_new_tokens: int, batch_size: int, label: str,
-                     seed: int | None = None, **sampling: Any) -> list[str]:
+                     seed: int | None = None, images: list[list] | None = None, **sampling: Any) -> list[str]:
     """The model's answers to rendered ``prompts``, in batches, stopping at EOS or the template's
-    end-of-turn tokens. ``sampling`` goes to ``generate``; with a ``seed`` it samples from its own
+    end-of-turn tokens. ``images`` (each prompt's image references) go through the processor, decoded a
+    batch at a time. ``sampling`` goes to ``generate``; with a ``seed`` it samples from its own
     random state, so the run's random state is left as it was."""
     import contextlib
 
@@ -160,21 +161,48 @@ def generate_answers(ctx: Any, prompts: list[str], *, max_new_tokens: int, batch
     from ftcore_plugins.common.generate import batched_answers
 
     device = next(ctx.model.parameters()).device
+    encode = None
+    if images is not None:
+        from ftcore_plugins.common.vision import prompt_inputs
+
+        def encode(start: int, texts: list[str]) -> Any:
+            return prompt_inputs(ctx.tokenizer, texts, images[start:start + len(texts)]).to(device)
     rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else []) \
         if seed is not None else contextlib.nullcontext()
     with rng, ctx.reporter.progress(f"{label} ({ctx.phase})", len(prompts)) as bar:
         return batched_answers(ctx.model, ctx.tokenizer, prompts, batch_size=batch_size, progress=bar, seed=seed,
-                               max_new_tokens=max_new_tokens, eos_token_id=stop_token_ids(ctx.tokenizer, ctx.template),
+                               encode=encode, max_new_tokens=max_new_tokens,
+                               eos_token_id=stop_token_ids(ctx.tokenizer, ctx.template),
                                pad_token_id=ctx.tokenizer.pad_token_id, **sampling)
 
 
+def image_prompts(ctx: Any, rows: list[dict], evaluator: str) -> tuple[Any, list[list] | None]:
+    """The template that renders the rows' prompts and, for rows with images, each row's image references
+    (None for text rows). Rows with images need the model's processor and a template that renders image
+    parts (``native`` or ``jinja``), each refused in one line otherwise."""
+    from ftcore_plugins.common.vision import has_images, image_template, require_processor
+
+    if not has_images(ctx.data):
+        return ctx.template, None
+    where = f"evaluator '{evaluator}'"
+    require_processor(ctx.tokenizer, where)
+    try:
+        template = image_template(ctx.template)
+    except FtcoreError as exc:
+        raise FtcoreError(f"{where}: {exc}") from None
+    return template, [list(r.get("images") or []) for r in rows]
+
+
 def write_predictions(ctx: Any, prompts: list[str], references: list[str], predictions: list[str],
-                      per_row: dict[str, list[float]]) -> None:
+                      per_row: dict[str, list[float]], images: list[list] | None = None) -> None:
     if not ctx.run.is_main:
         return
     with (ctx.output_dir / "predictions.jsonl").open("w", encoding="utf-8") as fh:
         for i, (prompt, reference, prediction) in enumerate(zip(prompts, references, predictions)):
             record = {"prompt": prompt, "reference": reference, "prediction": prediction}
+            if images and images[i]:
+                record["images"] = [ref if not ref.startswith("data:") else ref[:ref.index(",")] + ",..."
+                                    for ref in images[i]]
             record.update({name: values[i] for name, values in per_row.items()})
             fh.write(json.dumps(record, ensure_ascii=False) + "\n")
 
@@ -247,12 +275,13 @@ class Generation(Component):
     def evaluate(self, ctx):
         o = self.options
         rows = reference_rows(ctx.data, self.name, o.limit, ctx.reporter)
-        prompts = [prompt_text(r, ctx.tokenizer, ctx.template) for r in rows]
+        template, images = image_prompts(ctx, rows, self.name)
+        prompts = [prompt_text(r, ctx.tokenizer, template) for r in rows]
         references = [reference_text(r) for r in rows]
         predictions = generate_answers(ctx, prompts, max_new_tokens=o.max_new_tokens, batch_size=o.batch_size,
-                                       label=self.name.replace("_", " "), **self.sampling())
+                                       label=self.name.replace("_", " "), images=images, **self.sampling())
         per_row, report = self.score(predictions, references, ctx.reporter)
-        write_predictions(ctx, prompts, references, predictions, per_row)
+        write_predictions(ctx, prompts, references, predictions, per_row, images)
         return {**report, "n": len(rows)}
 
 

@@ -73,6 +73,40 @@ def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[Row
     return scores  # type: ignore[return-value]
 
 
+def score_images(model, encoder, rows, batch_size: int, progress=None) -> list[RowScore]:
+    """Per-row NLL sums for chat rows with images, in order: each batch rendered, labelled and processed
+    by ``encoder`` (:class:`~ftcore_plugins.common.vision.VisionEncoder`, images decoded a batch at a time).
+    Image and vision-placeholder tokens count in neither part."""
+    import torch
+
+    device = next(model.parameters()).device
+    never = torch.tensor(sorted(encoder.never), dtype=torch.long)
+    scores: list[RowScore] = []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                indices = list(range(start, min(start + batch_size, len(rows))))
+                batch = encoder([rows[i] for i in indices], indices)
+                labels, mask, ids = batch.pop("labels"), batch["attention_mask"], batch["input_ids"]
+                logits = model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).logits.float()
+                nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(device),
+                                                        reduction="none").cpu()
+                del logits
+                response = labels[:, 1:] != IGNORE
+                prompt = mask[:, 1:].bool() & ~response & ~torch.isin(ids[:, 1:], never)
+                for row in range(len(indices)):
+                    scores.append(RowScore(int(mask[row].sum()), nll[row][response[row]].sum().item(),
+                                           int(response[row].sum()), nll[row][prompt[row]].sum().item(),
+                                           int(prompt[row].sum())))
+                if progress is not None:
+                    progress.advance(len(indices))
+    finally:
+        model.train(was_training)
+    return scores
+
+
 def summarize(rows: list[RowScore], prefix: str = "") -> dict[str, float]:
     nll, tokens = sum(r.nll for r in rows), sum(r.tokens for r in rows)
     if tokens == 0:
@@ -100,11 +134,23 @@ class Perplexity(Component):
 
     def measure(self, ctx, data, model, label: str) -> dict[str, float]:
         """The metrics of ``model`` on ``data`` (``ctx`` gives tokenizer, template and reporter)."""
-        prepared = prepare(data, ctx.tokenizer, ctx.template, max_length=self.options.max_length,
-                           reporter=ctx.reporter, description="tokenize")
-        columns = prepared.dataset.to_dict()
-        with ctx.reporter.progress(f"{label} ({ctx.phase})", len(columns["input_ids"])) as bar:
-            rows = score(model, ctx.tokenizer, columns, self.options.batch_size, bar)
+        from ftcore_plugins.common.vision import VisionEncoder, has_images, require_processor
+
+        if has_images(data):
+            where = f"evaluator '{self.name}'"
+            try:
+                encoder = VisionEncoder(require_processor(ctx.tokenizer, where), ctx.template,
+                                        max_length=self.options.max_length, where=where)
+            except FtcoreError as exc:
+                raise FtcoreError(str(exc) if str(exc).startswith(where) else f"{where}: {exc}") from None
+            with ctx.reporter.progress(f"{label} ({ctx.phase})", len(data)) as bar:
+                rows = score_images(model, encoder, data, self.options.batch_size, bar)
+        else:
+            prepared = prepare(data, ctx.tokenizer, ctx.template, max_length=self.options.max_length,
+                               reporter=ctx.reporter, description="tokenize")
+            columns = prepared.dataset.to_dict()
+            with ctx.reporter.progress(f"{label} ({ctx.phase})", len(columns["input_ids"])) as bar:
+                rows = score(model, ctx.tokenizer, columns, self.options.batch_size, bar)
         metrics = summarize(rows)
         if not metrics:
             raise FtcoreError(f"evaluator '{self.name}': the data has no token to score")

@@ -58,9 +58,18 @@ def _trl_template(name: str) -> str:
 
 
 def _add(tokenizer: Any, tokens: list[str]) -> None:
-    missing = [t for t in tokens if t not in tokenizer.get_vocab()]
+    vocab = tokenizer.get_vocab()  # once: a 128k vocabulary takes 0.2 s to list
+    missing = [t for t in tokens if t not in vocab]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing}, replace_extra_special_tokens=False)
+
+
+def _llama3_turns(tokenizer: Any) -> None:
+    """Llama 3's turn tokens, for a tokenizer that lacks them (one trained on the data): the template
+    writes them, and its BOS."""
+    _add(tokenizer, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    if tokenizer.bos_token is None:
+        tokenizer.bos_token = "<|begin_of_text|>"
 
 
 def _text(tokenizer: Any, hidden: int, layers: int, heads: int) -> dict:
@@ -68,6 +77,18 @@ def _text(tokenizer: Any, hidden: int, layers: int, heads: int) -> dict:
                 num_key_value_heads=1, intermediate_size=2 * hidden, max_position_embeddings=4096,
                 pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id)
+
+
+def _config(cls: type, overrides: dict | None, **fields: Any) -> Any:
+    """``cls(**fields)`` with the plan's ``config`` table over it: a ``text_config`` or ``vision_config``
+    table changes the fields it names and keeps the others (a bigger vision tower: ``vision_config =
+    { hidden_size = 64, num_hidden_layers = 2 }``); any other key replaces the field."""
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(fields.get(key), dict):
+            fields[key] = {**fields[key], **value}
+        else:
+            fields[key] = value
+    return cls(**fields)
 
 
 def _without_video(cls: type) -> type:
@@ -99,9 +120,10 @@ def build(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
     return model_cls(cfg), processor
 
 
-def processor_for(architecture: str, tokenizer: Any) -> Any:
-    """The family's processor around ``tokenizer`` (image tokens added where it lacks them), no model."""
-    return parts(architecture, tokenizer)[2]
+def processor_for(architecture: str, tokenizer: Any, config: dict | None = None) -> Any:
+    """The family's processor around ``tokenizer`` (image tokens added where it lacks them), no model;
+    ``config`` as :func:`build` takes it (the processor follows the vision tower's sizes it sets)."""
+    return parts(architecture, tokenizer, config=config)[2]
 
 
 def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layers: int = 2,
@@ -122,12 +144,12 @@ def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
         half = hidden_size // num_heads // 2  # the rotary frequencies: split over time, height and width
         t, h = half // 4, (half - half // 4) // 2
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [t, h, half - t - h]}
-        cfg = T.Qwen2_5_VLConfig(
+        cfg = _config(T.Qwen2_5_VLConfig, config,
             text_config=text,
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
                                fullatt_block_indexes=[0], window_size=56),
             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), **(config or {}))
+            vision_start_token_id=ids("<|vision_start|>"))
         model_cls = T.Qwen2_5_VLForConditionalGeneration
     elif architecture == "qwen3_vl":
         processor = _without_video(T.Qwen3VLProcessor)(
@@ -141,27 +163,28 @@ def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
         text.update(head_dim=hidden_size // num_heads,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [t, h, half - t - h],
                                      "mrope_interleaved": True})
-        cfg = T.Qwen3VLConfig(
+        cfg = _config(T.Qwen3VLConfig, config,
             text_config=text,
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
                                patch_size=16, num_position_embeddings=16, deepstack_visual_indexes=[0]),
             image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"), **(config or {}))
+            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
         model_cls = T.Qwen3VLForConditionalGeneration
     elif architecture == "mllama":
+        _llama3_turns(tokenizer)
         _add(tokenizer, ["<|image|>"])
         image = T.MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=1)
         processor = T.MllamaProcessor(image_processor=image, tokenizer=tokenizer,
                                       chat_template=LLAMA3_VISION.replace("IMAGE", "'<|image|>'"))
         text = _text(tokenizer, hidden_size, num_layers, num_heads)
         text["cross_attention_layers"] = [num_layers - 1]
-        cfg = T.MllamaConfig(
+        cfg = _config(T.MllamaConfig, config,
             text_config=text,
             vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_global_layers=1,
                                attention_heads=2, image_size=28, patch_size=14, max_num_tiles=1,
                                intermediate_layers_indices=[0], vision_output_dim=32,
                                supported_aspect_ratios=[[1, 1]]),
-            image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"), **(config or {}))
+            image_token_index=tokenizer.convert_tokens_to_ids("<|image|>"))
         model_cls = T.MllamaForConditionalGeneration
     elif architecture == "gemma3":
         _add(tokenizer, ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<image_soft_token>",
@@ -178,24 +201,28 @@ def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
         text = _text(tokenizer, hidden_size, num_layers, num_heads)
         text["head_dim"] = hidden_size // num_heads
         ids = tokenizer.convert_tokens_to_ids
-        cfg = T.Gemma3Config(
+        cfg = _config(T.Gemma3Config, config,
             text_config=text,
             vision_config=dict(**small_vision, image_size=28, patch_size=7),
             mm_tokens_per_image=4, image_token_id=ids("<image_soft_token>"), boi_token_id=ids("<start_of_image>"),
-            eoi_token_id=ids("<end_of_image>"), **(config or {}))
+            eoi_token_id=ids("<end_of_image>"))
         model_cls = T.Gemma3ForConditionalGeneration
     elif architecture == "llava":
+        _llama3_turns(tokenizer)
         _add(tokenizer, ["<image>"])
-        image = T.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-        processor = T.LlavaProcessor(image_processor=image, tokenizer=tokenizer, patch_size=14,
+        # The processor follows the tower's picture and patch sizes where the plan's config sets them.
+        tower = {"image_size": 28, "patch_size": 14, **(config or {}).get("vision_config", {})}
+        side, patch = tower["image_size"], tower["patch_size"]
+        image = T.CLIPImageProcessorPil(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+        processor = T.LlavaProcessor(image_processor=image, tokenizer=tokenizer, patch_size=patch,
                                      vision_feature_select_strategy="full", num_additional_image_tokens=1,
                                      chat_template=LLAMA3_VISION.replace("IMAGE", "'<image>\\n'"))
-        cfg = T.LlavaConfig(
+        cfg = _config(T.LlavaConfig, config,
             text_config={"model_type": "llama", **_text(tokenizer, hidden_size, num_layers, num_heads)},
             vision_config={"model_type": "clip_vision_model", **small_vision, "image_size": 28, "patch_size": 14,
                            "projection_dim": 16},
             image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="full",
-            vision_feature_layer=-1, **(config or {}))
+            vision_feature_layer=-1)
         model_cls = T.LlavaForConditionalGeneration
     elif architecture == "idefics3":
         image = T.Idefics3ImageProcessorPil(size={"longest_edge": 28}, max_image_size={"longest_edge": 28},
@@ -203,10 +230,10 @@ def parts(architecture: str, tokenizer: Any, *, hidden_size: int = 32, num_layer
         processor = T.Idefics3Processor(image_processor=image, tokenizer=tokenizer, image_seq_len=1,
                                         chat_template=_trl_template("smolvlm"))
         _add(tokenizer, ["<global-img>"])
-        cfg = T.Idefics3Config(
+        cfg = _config(T.Idefics3Config, config,
             text_config={"model_type": "llama", **_text(tokenizer, hidden_size, num_layers, num_heads)},
             vision_config=dict(**small_vision, image_size=28, patch_size=14),
-            scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), **(config or {}))
+            scale_factor=2, image_token_id=tokenizer.convert_tokens_to_ids("<image>"))
         model_cls = T.Idefics3ForConditionalGeneration
     else:
         raise ValueError(f"unknown vision architecture {architecture!r}; known: {', '.join(FAMILIES)}")

@@ -26,7 +26,8 @@ class ScratchModelLoader(Component):
 
     class Options(Options):
         # a transformers model_type: llama, mistral, qwen2, qwen3, ...; or a vision-language family
-        # (qwen2_5_vl, qwen3_vl, mllama, gemma3, llava, idefics3: _vlm.FAMILIES), which needs `tokenizer`
+        # (qwen2_5_vl, qwen3_vl, mllama, gemma3, llava, idefics3: _vlm.FAMILIES): its image and turn tokens
+        # are added to the tokenizer where it lacks them
         architecture: str = "llama"
         hidden_size: int = Field(64, ge=1, le=65536)
         num_layers: int = Field(2, ge=1, le=1024)
@@ -47,9 +48,6 @@ class ScratchModelLoader(Component):
         problems = []
         if (o.tokenizer is None) == (not o.tokenizer_data):
             problems.append("set exactly one of 'tokenizer' (a folder) or 'tokenizer_data' (data names to train on)")
-        if o.architecture in VLM_FAMILIES and o.tokenizer is None:
-            problems.append(f"architecture {o.architecture!r} (a vision-language model) needs 'tokenizer' (a folder); "
-                            "a tokenizer trained on the data has no image tokens")
         for i, name in enumerate(o.tokenizer_data):
             if name not in plan.data:
                 problems.append(f"tokenizer_data[{i}]: undefined data {name!r}; defined: {', '.join(plan.data)}")
@@ -171,12 +169,18 @@ class ScratchModelLoader(Component):
                     tokenizer.save_pretrained(saved)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if o.architecture in VLM_FAMILIES:  # the family's processor around it (image tokens added)
-            from ftcore_plugins.common.vision import attach_processor
-            from ftcore_plugins.models import _vlm
+        return self.with_processor(tokenizer)
 
-            tokenizer = attach_processor(tokenizer, _vlm.processor_for(o.architecture, tokenizer))
-        return tokenizer
+    def with_processor(self, tokenizer):
+        """A VLM family's tokenizer: its processor attached around it (image and turn tokens added, the
+        family's chat template set); any other tokenizer as it is."""
+        o = self.options
+        if o.architecture not in VLM_FAMILIES:
+            return tokenizer
+        from ftcore_plugins.common.vision import attach_processor
+        from ftcore_plugins.models import _vlm
+
+        return attach_processor(tokenizer, _vlm.processor_for(o.architecture, tokenizer, o.config))
 
     def _train_tokenizer(self, ctx):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -203,6 +207,19 @@ class ScratchModelLoader(Component):
                                             additional_special_tokens=list(o.special_tokens))
         ctx.reporter.info(f"trained a BPE tokenizer on {', '.join(o.tokenizer_data)}: {len(tokenizer):,} tokens")
         return tokenizer
+
+    def _stand_in_tokenizer(self):
+        """For shapes before the tokenizer is trained: ``vocab_size`` tokens (a trained one has at most
+        that many) with the trained one's special tokens."""
+        from tokenizers import Tokenizer, models
+        from transformers import PreTrainedTokenizerFast
+
+        o = self.options
+        names = list(dict.fromkeys([EOS, PAD, *o.special_tokens]))
+        names += [f"<stand-in {i}>" for i in range(len(names), o.vocab_size)]
+        words = Tokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token=EOS))
+        return PreTrainedTokenizerFast(tokenizer_object=words, eos_token=EOS, pad_token=PAD,
+                                       additional_special_tokens=list(o.special_tokens))
 
     def model_config(self, vocab_size: int, **tokens: Any) -> Any:
         """The transformers config this loader builds, for ``vocab_size`` tokens; the plan's
@@ -234,9 +251,10 @@ class ScratchModelLoader(Component):
 
             from ftcore_plugins.models import _vlm
 
-            model, _ = _vlm.build(o.architecture, AutoTokenizer.from_pretrained(str(o.tokenizer)),
-                                  hidden_size=o.hidden_size, num_layers=o.num_layers, num_heads=o.num_heads,
-                                  config=o.config, device="meta")
+            tokenizer = AutoTokenizer.from_pretrained(str(o.tokenizer)) if o.tokenizer is not None \
+                else self._stand_in_tokenizer()
+            model, _ = _vlm.build(o.architecture, tokenizer, hidden_size=o.hidden_size, num_layers=o.num_layers,
+                                  num_heads=o.num_heads, config=o.config, device="meta")
             return model, model.config
         return scratch_meta_model(self)
 

@@ -9,8 +9,8 @@ from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.images import ImageError, load_image
 from ftcore_plugins.common.prepare import data_origin, is_stream
-from ftcore_plugins.common.vision import (VisionCollator, VisionEncoder, has_images, image_template, processor_of,
-                                          vision_token_ids)
+from ftcore_plugins.common.vision import (VisionCollator, VisionEncoder, has_images, image_template,
+                                          require_processor, vision_token_ids)
 
 
 def image_rows(ctx: Any) -> bool:
@@ -22,10 +22,7 @@ def _checked(ctx: Any, o: Any) -> tuple[str, Any]:
     """How messages name the train rows, and the processor; refuses, in one line, what the image path
     does not do yet."""
     where = data_origin(ctx, "train")[0]
-    processor = processor_of(ctx.tokenizer)
-    if processor is None:
-        raise FtcoreError(f"{where}: the rows hold images, but the model is a text model (its loader gave no "
-                          "processor); load a vision-language model (docs/vision.md)")
+    processor = require_processor(ctx.tokenizer, where)
     if getattr(o, "packing", False):
         raise FtcoreError(f"stage {ctx.stage}: packing = true is not supported for rows with images yet; set "
                           "packing = false")

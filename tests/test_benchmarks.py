@@ -333,6 +333,25 @@ def test_validate_data_tiny_mode():
     assert ratio == pytest.approx(times[1] / times[0], abs=rounding)
 
 
+def test_validate_images_tiny_mode():
+    """The image rows' benchmark: both arms timed, the ratio their quotient, a peak per size; every row
+    checked and none bad, and its scratch folder gone afterwards."""
+    import glob
+    import tempfile
+
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ftcore-bench-images-*")))
+    out = bench("validate_images.py", "--tiny")
+    assert "data: 40 rows read from 1 file(s) in 1 source(s); no bad rows" in out
+    times = [float(line.split(":")[1].split()[0]) for line in out.splitlines()
+             if line.startswith(("processor (", "validate --data:"))]
+    ratio = float(out.split("ratio validate/processor: ")[1].split()[0])
+    assert len(times) == 2 and min(times) > 0
+    assert ratio == pytest.approx(times[1] / times[0], abs=0.0005 * (1 + ratio) / times[0] + 0.005)
+    peaks = [float(line.split(":")[1].split()[0]) for line in out.splitlines() if "peak RSS," in line]
+    assert len(peaks) == 2 and min(peaks) > 50
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "ftcore-bench-images-*"))) == before
+
+
 def test_openmp_threads_wait_passively_unless_the_user_says(monkeypatch):
     """ftcore sets OMP_WAIT_POLICY=PASSIVE before torch loads (spinning OpenMP threads slow a run
     beside other busy processes several times over); a user's own setting is kept."""

@@ -6,14 +6,12 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.common.vision import VisionEncoder, has_images, require_processor
-
 
 class ImageRows:
     """A stage's rows with images as ``check`` and ``lr-find`` read them: each row rendered, labelled and
     its images processed by the run's own encoder when it is read, a batch at a time with :meth:`batch`."""
 
-    def __init__(self, rows: Any, encoder: VisionEncoder):
+    def __init__(self, rows: Any, encoder: Any):
         self.rows, self.encoder = rows, encoder
         self.image_ids = encoder.never  # the image and vision-placeholder tokens
 
@@ -40,6 +38,7 @@ def supervised_rows(runner: Any, stage: Any, model: Any, tokenizer: Any) -> Any:
 
     from ftcore_plugins.common.chat import chosen_as_chat
     from ftcore_plugins.common.prepare import data_origin, prepare
+    from ftcore_plugins.common.vision import VisionEncoder, has_images, require_processor
 
     from ftcore_plugins.common.run_data import data_context
 

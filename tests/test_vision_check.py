@@ -55,3 +55,25 @@ def test_lr_find_on_image_rows(tmp_path):
     done = run_cli("lr-find", str(plan), "--steps", "10", cwd=tmp_path, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "suggested" in done.stdout.lower(), done.stdout
+
+
+def test_estimate_counts_the_vision_tower_and_says_what_it_leaves_out(tmp_path):
+    """The estimate's weights include the tower and the projector (their sizes from the model built on the meta
+    device, Qwen's projector inside its tower counted once), and a note says their activations are not modeled."""
+    from test_vision_labels import built
+
+    write_data(tmp_path)
+    for family in ("llava", "qwen2_5_vl"):
+        plan = write_plan(tmp_path, family)
+        done = run_cli("estimate", str(plan), cwd=tmp_path, env={"COLUMNS": "400"}, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        model, _ = built(family)
+        from ftcore_plugins.common.vision import vision_parts
+
+        tower, projector = vision_parts(model)
+        size = {path: sum(p.numel() for p in model.get_submodule(path).parameters()) for path in (*tower, *projector)}
+        tower_n = size[tower[0]] - sum(size[p] for p in projector if p.startswith(tower[0] + "."))
+        note = " ".join(done.stdout.split())
+        assert f"the vision tower ({tower[0]}: {tower_n:,} parameters) and the projector ({projector[0]}: " \
+               f"{size[projector[0]]:,})" in note, note
+        assert "the vision tower's own activations (each image's patches through its layers) are not modeled" in note

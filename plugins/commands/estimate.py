@@ -269,6 +269,7 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
 
     model, config = _meta_model(plan, loader, calling, sources)
     compute_params = _compute_params(model)
+    notes += _vision_notes(model)
     prepare = _optional(quantizer, "prepare_meta")
     if prepare is not None:
         with calling(plan.quantizer, "prepare_meta"):
@@ -353,6 +354,24 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
                          sum(p.numel() for p in params) if params else total_before,
                          sum(p.numel() for p in trainable), weights, gradients, optimizer, activations,
                          sources=sources, notes=notes, residue=residue, compute_params=compute_params)
+
+
+def _vision_notes(model: Any) -> list[str]:
+    """For a vision-language model: what its vision tower and projector weigh (counted in the weights),
+    and that their activations are not modeled (the language model's are, at max_length, image tokens
+    included)."""
+    from ftcore_plugins.common.vision import vision_parts
+
+    tower, projector = vision_parts(model)
+    if not tower and not projector:
+        return []
+    count = {path: sum(p.numel() for p in model.get_submodule(path).parameters()) for path in (*tower, *projector)}
+    inside = sum(count[p] for p in projector if any(p.startswith(t + ".") for t in tower))  # Qwen's visual.merger
+    tower_n, projector_n = sum(count[t] for t in tower) - inside, sum(count[p] for p in projector)
+    return [f"vision-language model: the vision tower ({', '.join(tower)}: {tower_n:,} parameters) and the projector "
+            f"({', '.join(projector)}: {projector_n:,}) are counted in the weights; the language model's activations "
+            "are counted at max_length, its image tokens included, and the vision tower's own activations (each "
+            "image's patches through its layers) are not modeled"]
 
 
 def _compute_params(model: Any) -> int:

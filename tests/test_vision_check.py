@@ -77,3 +77,22 @@ def test_estimate_counts_the_vision_tower_and_says_what_it_leaves_out(tmp_path):
         assert f"the vision tower ({tower[0]}: {tower_n:,} parameters) and the projector ({projector[0]}: " \
                f"{size[projector[0]]:,})" in note, note
         assert "the vision tower's own activations (each image's patches through its layers) are not modeled" in note
+
+
+def test_the_qlora_estimate_leaves_the_vision_tower_unquantized():
+    """As the bitsandbytes quantizers load a VLM (llm_int8_skip_modules: the tower and the projector), the
+    estimate counts 4-bit weights for the language model's linear layers only."""
+    from test_vision_labels import built
+
+    from ftcore_plugins.common.estimate import _quantized_linears
+    from ftcore_plugins.common.vision import keep_vision_unquantized, vision_parts
+
+    for family in ("llava", "qwen2_5_vl"):
+        model, _ = built(family)
+        tower, projector = vision_parts(model)
+        quantized = _quantized_linears(model, [])
+        assert quantized and all(".language_model." in path for path in quantized), sorted(quantized)[:5]
+        from transformers import BitsAndBytesConfig
+
+        skipped = keep_vision_unquantized(BitsAndBytesConfig(load_in_4bit=True), model).llm_int8_skip_modules
+        assert set(tower) | set(projector) <= set(skipped)

@@ -127,7 +127,8 @@ def scratch_meta_model(loader: Any) -> tuple[Any, Any]:
 
 
 def _not_converted(model: Any, skip: list[str]) -> set[str]:
-    """Module paths transformers leaves unquantized: the output head, tied weights, ``skip``."""
+    """Module paths transformers leaves unquantized: the output head, tied weights, ``skip``, and a
+    vision-language model's vision tower and projector (ftcore's quantizers skip them)."""
     try:
         from transformers.quantizers.base import get_keys_to_not_convert
 
@@ -137,7 +138,10 @@ def _not_converted(model: Any, skip: list[str]) -> set[str]:
         keep = {n for n, m in model.named_modules() if m is head}
     keep |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
     keep |= set(skip)
-    return keep
+    from ftcore_plugins.common.vision import vision_parts
+
+    tower, projector = vision_parts(model)  # QLoRA leaves a VLM's vision tower and projector unquantized
+    return keep | set(tower) | set(projector)
 
 
 def _quantized_linears(model: Any, skip: list[str]) -> dict[str, Any]:
@@ -147,7 +151,7 @@ def _quantized_linears(model: Any, skip: list[str]) -> dict[str, Any]:
 
     def kept(path: str) -> bool:
         parts = path.split(".")
-        return any(k == path or path.endswith("." + k) or k in parts for k in keep)
+        return any(k == path or path.endswith("." + k) or path.startswith(k + ".") or k in parts for k in keep)
 
     return {path: m for path, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and path and not kept(path)}

@@ -23,6 +23,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -65,6 +66,13 @@ def main() -> None:
     if args.tiny:
         args.rows, args.repeat = 100, 1
     folder = Path(tempfile.mkdtemp(prefix="ftcore-bench-validate-"))
+    try:
+        run(args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the rows, the tokenizer and the datasets cache
+
+
+def run(args: argparse.Namespace, folder: Path) -> None:
     os.environ["HF_DATASETS_CACHE"] = str(folder / "datasets")  # a cold datasets cache, in both arms alike
 
     from transformers import AutoTokenizer

@@ -333,14 +333,14 @@ def test_validate_data_tiny_mode():
     assert ratio == pytest.approx(times[1] / times[0], abs=rounding)
 
 
-def test_validate_images_tiny_mode():
+def test_validate_images_tiny_mode(tmp_path):
     """The image rows' benchmark: both arms timed, the ratio their quotient, a peak per size; every row
-    checked and none bad, and its scratch folder gone afterwards."""
-    import glob
-    import tempfile
-
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ftcore-bench-images-*")))
-    out = bench("validate_images.py", "--tiny")
+    checked and none bad, and its scratch folder (made in TMPDIR) gone afterwards."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "validate_images.py"), "--tiny"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore", "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
     assert "data: 40 rows read from 1 file(s) in 1 source(s); no bad rows" in out
     times = [float(line.split(":")[1].split()[0]) for line in out.splitlines()
              if line.startswith(("processor (", "validate --data:"))]
@@ -349,7 +349,7 @@ def test_validate_images_tiny_mode():
     assert ratio == pytest.approx(times[1] / times[0], abs=0.0005 * (1 + ratio) / times[0] + 0.005)
     peaks = [float(line.split(":")[1].split()[0]) for line in out.splitlines() if "peak RSS," in line]
     assert len(peaks) == 2 and min(peaks) > 50
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "ftcore-bench-images-*"))) == before
+    assert not list(tmp_path.glob("ftcore-bench-images-*"))
 
 
 def test_openmp_threads_wait_passively_unless_the_user_says(monkeypatch):

@@ -520,8 +520,27 @@ def test_activation_offloading_asks_the_trainer_for_offloaded_checkpointing_on_a
 # -- estimate vs measured -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    folder = bench.write_project(tmp_path_factory.mktemp("memory-estimate"))
-    results = bench.run_all(bench.CONFIGS, folder)
+    """Every configuration estimated and measured once per session. Under pytest-xdist the workers share
+    it, as they share the quickstart (conftest.py): the first to ask measures, alone on the machine, and
+    the others wait for it (a lock) and read its results. Measured in each worker, it cost about 280 s
+    of each worker's time, the runs of both workers competing for the same two cores."""
+    import fcntl
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    shared = root / "memory-estimate.json"
+    with open(root / "memory-estimate.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not shared.exists():
+            folder = bench.write_project(tmp_path_factory.mktemp("memory-estimate"))
+            results = bench.run_all(bench.CONFIGS, folder)
+            shared.write_text(json.dumps([{"name": r.config.name, "estimate": r.estimate,
+                                           "measured_mib": r.measured_mib, "seconds": r.seconds} for r in results]))
+        rows = json.loads(shared.read_text())
+    configs = {c.name: c for c in bench.CONFIGS}
+    results = [bench.Result(configs[r["name"]], r["estimate"], r["measured_mib"], r["seconds"]) for r in rows]
     print("\n" + bench.table(results))
     return {r.config.name: r for r in results}
 

@@ -208,8 +208,8 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
                 if not images:
                     from ftcore_plugins.common.vision import image_template
 
-                    images.append(image_template(template))
-                    images.append(SpanLocator(images[0], tokenizer))
+                    wrapped = image_template(template)  # a text-only template: one line, as a run says it
+                    images[:] = [wrapped, SpanLocator(wrapped, tokenizer)]
                 use, spans = images
             try:
                 row_samples(row, tokenizer, use, train_on_inputs=train_on_inputs, add_eos_to_text=True,

@@ -173,6 +173,21 @@ def installed(folder: Path, dist: str, tmp_path: Path):
                 _pip("install", "-e", url2pathname(urlparse(direct["url"]).path))
 
 
+def computed_once(tmp_path_factory, name: str, compute):
+    """``compute()``'s result (JSON), computed once per test session. Under pytest-xdist a module fixture
+    runs in every worker that gets one of its tests; through this the first worker to ask computes it and
+    the others wait for it (a lock) and read it, as they share the quickstart run below."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own (new for every session)
+    path = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not path.exists():
+            path.write_text(json.dumps(compute()))
+        return json.loads(path.read_text())
+
+
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory):
     """The quickstart, run once per session in a copy of examples/quickstart; its run folder, which tests

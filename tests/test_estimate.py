@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, computed_once, run_cli
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures memory through /proc")
 
@@ -313,8 +313,11 @@ max_length = 512
         assert result.returncode in (0, 1), result.stderr
         return name, (result.returncode, json.loads(result.stdout))
 
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        return dict(pool.map(estimate, SEVEN_B))
+    def compute() -> dict:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            return dict(pool.map(estimate, SEVEN_B))
+
+    return computed_once(tmp_path_factory, "seven-b-estimates", compute)  # one set for the xdist workers
 
 
 def test_7b_full_fine_tune_fp32_adam_is_about_112_gb(seven_b):
@@ -520,27 +523,17 @@ def test_activation_offloading_asks_the_trainer_for_offloaded_checkpointing_on_a
 # -- estimate vs measured -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Every configuration estimated and measured once per session. Under pytest-xdist the workers share
-    it, as they share the quickstart (conftest.py): the first to ask measures, alone on the machine, and
-    the others wait for it (a lock) and read its results. Measured in each worker, it cost about 280 s
-    of each worker's time, the runs of both workers competing for the same two cores."""
-    import fcntl
-    import os
+    """Every configuration estimated and measured once per session, shared by the xdist workers
+    (``computed_once``): measured in each worker, it cost each about 280 s, their runs competing for the
+    same two cores."""
+    def compute() -> list[dict]:
+        folder = bench.write_project(tmp_path_factory.mktemp("memory-estimate"))
+        return [{"name": r.config.name, "estimate": r.estimate, "measured_mib": r.measured_mib, "seconds": r.seconds}
+                for r in bench.run_all(bench.CONFIGS, folder)]
 
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's folder, above each worker's own
-    shared = root / "memory-estimate.json"
-    with open(root / "memory-estimate.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
-        if not shared.exists():
-            folder = bench.write_project(tmp_path_factory.mktemp("memory-estimate"))
-            results = bench.run_all(bench.CONFIGS, folder)
-            shared.write_text(json.dumps([{"name": r.config.name, "estimate": r.estimate,
-                                           "measured_mib": r.measured_mib, "seconds": r.seconds} for r in results]))
-        rows = json.loads(shared.read_text())
     configs = {c.name: c for c in bench.CONFIGS}
-    results = [bench.Result(configs[r["name"]], r["estimate"], r["measured_mib"], r["seconds"]) for r in rows]
+    results = [bench.Result(configs[r["name"]], r["estimate"], r["measured_mib"], r["seconds"])
+               for r in computed_once(tmp_path_factory, "memory-estimate", compute)]
     print("\n" + bench.table(results))
     return {r.config.name: r for r in results}
 

@@ -165,6 +165,30 @@ def rss_anon() -> int:
     raise SystemExit("no RssAnon in /proc/self/status (Linux only)")
 
 
+def validate_report(plan: Any) -> str:
+    """What ``ftcore validate --data`` prints for ``plan`` (it must pass: a run would go on)."""
+    import io
+
+    from ftcore_plugins.data._check import check_plan_data
+
+    out = io.StringIO()
+    code = check_plan_data(plan, out)
+    assert code == 0, out.getvalue()
+    return out.getvalue()
+
+
+def interleaved_medians(first: Any, second: Any, repeat: int) -> tuple[float, float]:
+    """Median seconds of ``first()`` and ``second()``, called in turns ``repeat`` times so that drift on
+    the machine hits both alike (warm both up before)."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeat):
+        for fn, seconds in zip((first, second), times):
+            start = time.perf_counter()
+            fn()
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -20,15 +20,16 @@ tokenizer trained here; ``--tiny`` (100 rows, one repeat) is what the tests run.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import interleaved_medians, validate_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
@@ -79,7 +80,6 @@ def run(args: argparse.Namespace, folder: Path) -> None:
 
     from ftcore.plan import load_plan
     from ftcore.plugins import get_plugin_manager
-    from ftcore_plugins.data._check import check_plan_data
     from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     rows, tok_dir, what = rows_and_tokenizer(args.rows, folder, args.generated)
@@ -99,22 +99,8 @@ def run(args: argparse.Namespace, folder: Path) -> None:
     def tokenize() -> int:
         return sum(map(len, tokenizer(texts)["input_ids"]))
 
-    def validate() -> str:
-        out = io.StringIO()
-        code = check_plan_data(plan, out)
-        assert code == 0, out.getvalue()  # on_error = "skip": the bad row is reported, the run would go on
-        return out.getvalue()
-
-    tokens, report = tokenize(), validate()  # warm-up: imports, compiled templates, the file in the page cache
-    raw, ours = [], []
-    for _ in range(args.repeat):  # interleaved, so drift hits both alike
-        start = time.perf_counter()
-        tokenize()
-        raw.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        validate()
-        ours.append(time.perf_counter() - start)
-    raw_s, ours_s = statistics.median(raw), statistics.median(ours)
+    tokens, report = tokenize(), validate_report(plan)  # warm-up: imports, templates, page cache
+    raw_s, ours_s = interleaved_medians(tokenize, lambda: validate_report(plan), args.repeat)
     print(f"data: {len(rows):,} chat rows ({what}), {tokens:,} tokens; {args.repeat} repeat(s), median")
     print(report.rstrip())
     print(f"tokenize (tokenizer(texts), batched):  {raw_s:8.3f} s  {len(rows) / raw_s:9.0f} rows/s")

@@ -23,18 +23,19 @@ peak RSS (``ru_maxrss``) printed: memory that stays flat as the rows grow means 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import random
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench import interleaved_medians, validate_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace, folder: Path) -> None:
 
     from ftcore.plan import load_plan
     from ftcore.plugins import get_plugin_manager
-    from ftcore_plugins.data._check import check_plan_data, plan_tokenizer
+    from ftcore_plugins.data._check import plan_tokenizer
 
     tokenizer = tokenizer_folder(folder)
     data = write_rows(folder, args.rows)
@@ -143,22 +144,8 @@ def run(args: argparse.Namespace, folder: Path) -> None:
             tokens += out["input_ids"].shape[1]
         return tokens
 
-    def validate() -> str:
-        out = io.StringIO()
-        code = check_plan_data(plan, out)
-        assert code == 0, out.getvalue()
-        return out.getvalue()
-
-    tokens, report = process(), validate()  # warm-up: imports, compiled templates, the files in the page cache
-    raw, ours = [], []
-    for _ in range(args.repeat):  # interleaved, so drift hits both alike
-        start = time.perf_counter()
-        process()
-        raw.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        validate()
-        ours.append(time.perf_counter() - start)
-    raw_s, ours_s = statistics.median(raw), statistics.median(ours)
+    tokens, report = process(), validate_report(plan)  # warm-up: imports, templates, page cache
+    raw_s, ours_s = interleaved_medians(process, lambda: validate_report(plan), args.repeat)
     print(f"data: {len(rows):,} chat rows, one 320x240 JPEG each, {tokens:,} tokens with the images; "
           f"{args.repeat} repeat(s), median")
     print(report.rstrip())

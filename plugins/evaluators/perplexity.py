@@ -33,6 +33,25 @@ class RowScore:
     prompt_tokens: int
 
 
+def batch_scores(model, batch: dict, labels, device, never=None) -> list[RowScore]:
+    """The RowScore of each row of a right-padded ``batch`` (the model's inputs; ``labels`` apart): labelled
+    tokens are the response, the other real tokens the prompt, less any token in ``never``."""
+    import torch
+
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    logits = model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).logits.float()
+    # Token t is predicted from position t-1: every real token but the first has an NLL.
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(device),
+                                            reduction="none").cpu()
+    del logits
+    response = labels[:, 1:] != IGNORE
+    prompt = mask[:, 1:].bool() & ~response
+    if never is not None:
+        prompt &= ~torch.isin(ids[:, 1:], never)
+    return [RowScore(int(mask[row].sum()), nll[row][response[row]].sum().item(), int(response[row].sum()),
+                     nll[row][prompt[row]].sum().item(), int(prompt[row].sum())) for row in range(len(ids))]
+
+
 def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[RowScore]:
     """Per-row NLL sums over right-padded batches, in the order of ``columns``."""
     import torch
@@ -56,17 +75,9 @@ def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[Row
                 ids[row, :n] = torch.tensor(ids_col[i])
                 labels[row, :n] = torch.tensor(labels_col[i])
                 mask[row, :n] = 1
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-            # Token t is predicted from position t-1: every real token but the first has an NLL.
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(device),
-                                                    reduction="none").cpu()
-            del logits
-            response = labels[:, 1:] != IGNORE
-            prompt = mask[:, 1:].bool() & ~response
-            for row, i in enumerate(idx):
-                scores[i] = RowScore(len(ids_col[i]), nll[row][response[row]].sum().item(),
-                                     int(response[row].sum()), nll[row][prompt[row]].sum().item(),
-                                     int(prompt[row].sum()))
+            batch = {"input_ids": ids, "attention_mask": mask}
+            for i, row_score in zip(idx, batch_scores(model, batch, labels, device)):
+                scores[i] = row_score
             if progress is not None:
                 progress.advance(len(idx))
     model.train(was_training)
@@ -89,17 +100,8 @@ def score_images(model, encoder, rows, batch_size: int, progress=None) -> list[R
             for start in range(0, len(rows), batch_size):
                 indices = list(range(start, min(start + batch_size, len(rows))))
                 batch = encoder([rows[i] for i in indices], indices)
-                labels, mask, ids = batch.pop("labels"), batch["attention_mask"], batch["input_ids"]
-                logits = model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).logits.float()
-                nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].to(device),
-                                                        reduction="none").cpu()
-                del logits
-                response = labels[:, 1:] != IGNORE
-                prompt = mask[:, 1:].bool() & ~response & ~torch.isin(ids[:, 1:], never)
-                for row in range(len(indices)):
-                    scores.append(RowScore(int(mask[row].sum()), nll[row][response[row]].sum().item(),
-                                           int(response[row].sum()), nll[row][prompt[row]].sum().item(),
-                                           int(prompt[row].sum())))
+                labels = batch.pop("labels")
+                scores += batch_scores(model, batch, labels, device, never)
                 if progress is not None:
                     progress.advance(len(indices))
     finally:

@@ -205,7 +205,8 @@ def test_sft_plan_on_image_rows_every_family(tmp_path, family):
 
 
 def test_what_image_rows_do_not_do_yet_is_one_line():
-    """Refused before any batch is built: packing, and a text model (no processor)."""
+    """Refused before any batch is built: packing where the family's attention would change, and a text model
+    (no processor)."""
     from types import SimpleNamespace
 
     import datasets
@@ -218,10 +219,10 @@ def test_what_image_rows_do_not_do_yet_is_one_line():
     _, processor = built("llava")
     reporter = SimpleNamespace(info=lambda *a, **k: None)
 
-    def refusal(tokenizer, **options) -> str:
+    def refusal(tokenizer, model_type="llava", **options) -> str:
         o = SimpleNamespace(**{"max_length": 64, "train_on_inputs": False, "packing": False, **options})
         ctx = SimpleNamespace(tokenizer=tokenizer, train_data=rows, eval_data=None, stage="sft", reporter=reporter,
-                              template=native())
+                              template=native(), model=SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
         with pytest.raises(FtcoreError) as info:
             vision_splits(ctx, o, "sft")
         assert "\n" not in str(info.value)
@@ -229,8 +230,16 @@ def test_what_image_rows_do_not_do_yet_is_one_line():
 
     from ftcore_plugins.common.vision import attach_processor
 
-    assert refusal(attach_processor(processor.tokenizer, processor), packing=True) == \
-        "stage sft: packing = true is not supported for rows with images yet; set packing = false"
+    tokenizer = attach_processor(processor.tokenizer, processor)
+    assert refusal(tokenizer, "gemma3", packing=True) == (
+        "stage sft: packing = true does not pack gemma3 rows with images: its image tokens attend to each other both "
+        "ways, which packed attention does not keep; set packing = false")
+    assert refusal(tokenizer, "mllama", packing=True) == (
+        "stage sft: packing = true does not pack mllama rows with images: its cross-attention mask is built per row, "
+        "not per packed sample; set packing = false")
+    assert refusal(tokenizer, "llava_next", packing=True) == (
+        "stage sft: packing = true does not pack llava_next rows with images: packing is verified on llava, idefics3, "
+        "qwen2_5_vl, qwen3_vl only; set packing = false")
     assert "the rows hold images, but the model is a text model (its loader gave no processor)" in \
         refusal(SimpleNamespace())
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -114,14 +115,15 @@ def _open(ref: str) -> Any:
     return Image.open(ref)
 
 
-def load_image(ref: str) -> Any:
-    """The image a reference names, decoded, in RGB. Raises :class:`ImageError` (one line)."""
+@contextlib.contextmanager
+def _image(ref: str) -> Iterator[Any]:
+    """The image a reference names, opened (its header read, nothing decoded yet); what goes wrong, there
+    or while the caller decodes it, is an :class:`ImageError` (one line)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with _open(ref) as im:
-            im.load()  # the whole image: a truncated file fails here, not later in a batch
-            return im.convert("RGB")
+            yield im
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -129,6 +131,20 @@ def load_image(ref: str) -> Any:
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageError(f"{shown(ref)}: unreadable image ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})",
                          "bad_image") from None
+
+
+def load_image(ref: str) -> Any:
+    """The image a reference names, decoded, in RGB. Raises :class:`ImageError` (one line)."""
+    with _image(ref) as im:
+        im.load()  # the whole image: a truncated file fails here, not later in a batch
+        return im.convert("RGB")
+
+
+def image_size(ref: str) -> tuple[int, int]:
+    """``(width, height)`` of the image a reference names, from its header alone (nothing decoded).
+    Raises :class:`ImageError` (one line)."""
+    with _image(ref) as im:
+        return im.size
 
 
 def check_image(ref: str) -> None:

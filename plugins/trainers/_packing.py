@@ -237,14 +237,15 @@ class BinnedBatches:
                 self.REAL_TOKENS: sum(len(e["input_ids"]) for e in examples)}
 
 
-def with_packed_attention(trainer_cls: type, path: str) -> type:
+def with_packed_attention(trainer_cls: type, path: str, *, collator: bool = True) -> type:
     """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` (packing on) whose batches take
-    ``path``: its collator makes one row per bin for the binned paths (TRL's own makes one row for the
-    others), and the model attends with the path's kernel while it trains."""
+    ``path``: with ``collator``, its collator makes one row per bin for the binned paths (TRL's own makes
+    one row for the others; without, the trainer's collator packs), and the model attends with the path's
+    kernel while it trains."""
     class PackedAttention(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            if path in BINNED:
+            if path in BINNED and collator:
                 self.data_collator = BinnedBatches(self.data_collator.pad_token_id)
 
         def train(self, *args, **kwargs):

@@ -7,7 +7,8 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.common.images import ImageError, load_image
+from ftcore_plugins.common.chat import IGNORE
+from ftcore_plugins.common.images import ImageError, image_size, load_image
 from ftcore_plugins.common.prepare import data_origin, is_stream
 from ftcore_plugins.common.vision import (VisionCollator, VisionEncoder, has_images, image_template,
                                           require_processor, vision_token_ids)
@@ -18,13 +19,22 @@ def image_rows(ctx: Any) -> bool:
     return has_images(ctx.train_data)
 
 
+# Families whose image rows pack: a packed batch's loss equals the unpacked batch's (tests/test_vision_packing.py).
+PACKS = ("llava", "idefics3", "qwen2_5_vl", "qwen3_vl")
+# Families whose attention packing would change, and why.
+PACKING_CHANGES = {"gemma3": "its image tokens attend to each other both ways, which packed attention does not keep",
+                   "mllama": "its cross-attention mask is built per row, not per packed sample"}
+
+
 def _checked(ctx: Any, o: Any) -> tuple[str, Any]:
     """How messages name the train rows, and the processor; refuses, in one line, what the image path
     does not do yet."""
     where = data_origin(ctx, "train")[0]
     processor = require_processor(ctx.tokenizer, where)
-    if getattr(o, "packing", False):
-        raise FtcoreError(f"stage {ctx.stage}: packing = true is not supported for rows with images yet; set "
+    model_type = getattr(getattr(getattr(ctx, "model", None), "config", None), "model_type", None)
+    if getattr(o, "packing", False) and model_type not in PACKS:
+        why = PACKING_CHANGES.get(model_type, f"packing is verified on {', '.join(PACKS)} only")
+        raise FtcoreError(f"stage {ctx.stage}: packing = true does not pack {model_type} rows with images: {why}; set "
                           "packing = false")
     if getattr(o, "padding_free", False):
         raise FtcoreError(f"stage {ctx.stage}: padding_free = true is not supported for rows with images yet")
@@ -45,20 +55,171 @@ def _indexed(ctx: Any) -> list[Any]:
 
 
 def vision_splits(ctx: Any, o: Any, trainer: str) -> tuple[Any, Any, VisionCollator]:
-    """The train and eval rows as they are (each with its index, for messages) and the collator that
-    turns them into batches. Refuses, in one line, what this path does not do yet."""
+    """The train and eval rows as they are (each with its index, for messages), or with ``packing`` the
+    train rows' bins, and the collator that turns them into batches. Refuses, in one line, what this
+    path does not do yet."""
     where, processor = _checked(ctx, o)
-    out = _indexed(ctx)
+    train, evaluation = _indexed(ctx)
     encoder = VisionEncoder(processor, ctx.template, max_length=o.max_length,
                             train_on_inputs=getattr(o, "train_on_inputs", False), where=where)
-    ctx.reporter.info(f"stage [bold]{ctx.stage}[/]: {len(out[0]):,} rows with images; they are rendered, labelled and "
+    if getattr(o, "packing", False):
+        bins = packed_bins(ctx, encoder, train, o)
+        ctx.reporter.info(f"stage [bold]{ctx.stage}[/]: {len(train):,} rows with images in {len(bins):,} packed rows "
+                          f"of {o.max_length} tokens; they are rendered, labelled and their images decoded batch by batch")
+        from datasets import Dataset
+
+        return Dataset.from_dict({BIN: bins}), evaluation, PackedImageRows(encoder, train, rope_index(ctx.model))
+    ctx.reporter.info(f"stage [bold]{ctx.stage}[/]: {len(train):,} rows with images; they are rendered, labelled and "
                       "their images decoded batch by batch")
-    return out[0], out[1], VisionCollator(encoder)
+    return train, evaluation, VisionCollator(encoder)
+
+
+# -- packing (sft) -----------------------------------------------------------------------------------
+
+BIN = "__bin"  # the column of a packed train set: each row the indices of the image rows one packed row holds
+
+
+def expanded_lengths(encoder: VisionEncoder, rows: Any) -> list[int]:
+    """Each row's length in tokens with its images expanded, without decoding an image: its rendered
+    text's tokens, plus what the processor adds for an image of each size (measured once a size, on a
+    blank image of that size; each image's size comes from its file's header)."""
+    from PIL import Image
+
+    processor, token = encoder.processor, encoder.processor.image_token
+    alone = len(encoder.tokenizer(token, add_special_tokens=False)["input_ids"])
+    added: dict[tuple[int, int], int] = {}
+    out = []
+    for k, row in enumerate(rows):
+        try:
+            ids = encoder.text_and_labels(row)[1]
+            sizes = [image_size(ref) for ref in row.get("images") or []]
+        except (FtcoreError, ImageError) as exc:
+            raise FtcoreError(f"{encoder.where}, row {row.get('__index', k) + 1}: {exc}") from None
+        for size in sizes:
+            if size not in added:
+                blank = processor(text=[token], images=[[Image.new("RGB", size)]], add_special_tokens=False)
+                added[size] = len(blank["input_ids"][0]) - alone
+        out.append(len(ids) + sum(added[size] for size in sizes))
+    return out
+
+
+def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing, as TRL's ``bfd`` packs tokenized rows: the indices of ``lengths`` in bins
+    whose lengths sum to at most ``capacity``, longest first; a longer one gets a bin of its own."""
+    import bisect
+
+    bins: list[list[int]] = []
+    space: list[tuple[int, int]] = []  # (room left, bin), sorted: the tightest bin that fits is a bisect away
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = bisect.bisect_left(space, (lengths[i], -1))
+        room, b = space.pop(k) if k < len(space) else (capacity, len(bins))
+        if b == len(bins):
+            bins.append([])
+        bins[b].append(i)
+        if room - lengths[i] > 0:
+            bisect.insort(space, (room - lengths[i], b))
+    return bins
+
+
+def packed_bins(ctx: Any, encoder: VisionEncoder, rows: Any, o: Any) -> list[list[int]]:
+    """The train rows' bins of ``max_length`` tokens (images expanded); logs the padding without packing
+    and with it, under the text path's names."""
+    import random
+
+    from ftcore_plugins.common.prepare import padding_fraction
+
+    if o.max_length is None:
+        raise FtcoreError(f"stage {ctx.stage}: packing = true needs max_length (the length of a packed row)")
+    lengths = expanded_lengths(encoder, rows)
+    bins = best_fit(lengths, o.max_length)
+    shuffled = random.Random(0).sample(lengths, len(lengths))  # batches are drawn in random order
+    filled = sum(lengths) / (len(bins) * o.max_length) if bins else 0.0
+    ctx.reporter.log(ctx.stage, {"data/train_padding_fraction_unpacked": padding_fraction(shuffled, o.batch_size),
+                                 "data/train_packed_sequences": len(bins), "data/train_packing_efficiency": filled,
+                                 "data/train_padding_fraction_packed": 1 - filled}, step=0)
+    return bins
+
+
+def rope_index(model: Any) -> Any:
+    """The model's ``get_rope_index`` where its positions are 3-D (Qwen-VL's rope over time, height and
+    width, computed from the image grids), else None."""
+    return next((m.get_rope_index for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+
+
+class PackedImageRows(VisionCollator):
+    """``packing = true`` on rows with images: a batch of bins (each a list of indices of ``rows``) -> the
+    samples concatenated, one row per bin (``binned``: the binned attention paths) or one row for the
+    whole batch (the other paths), as the text path's collators make them: position ids restarting at
+    each sample, no attention mask, the first token of each sample not predicted from the one before,
+    padding at a row's end never trained. The pixels and image grids stay in sample order, which is the
+    order of the image tokens in the packed rows. Where positions are 3-D (``rope``: Qwen-VL), each
+    sample's come from the model's own ``get_rope_index``, under the text positions transformers reads to
+    find the samples. Eval rows (no bins) are each their own sample."""
+
+    def __init__(self, encoder: VisionEncoder, rows: Any, rope: Any = None):
+        super().__init__(encoder)
+        self.rows, self.rope = rows, rope
+        self.binned = False  # set from the stage's packed-attention path
+
+    def __call__(self, examples: list[dict]) -> dict[str, Any]:
+        import torch
+
+        from ftcore_plugins.trainers._packing import BinnedBatches
+
+        groups = [[self.rows[i] for i in e[BIN]] for e in examples] if BIN in examples[0] else [[e] for e in examples]
+        if not self.binned:
+            groups = [[row for group in groups for row in group]]
+        flat = [row for group in groups for row in group]
+        batch = super().__call__(flat)
+        lengths = batch.pop("attention_mask").sum(1).tolist()
+        per_token = [k for k in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids") if k in batch]
+        width = max(sum(lengths[k] for k in range(start, start + len(g))) for start, g in _starts(groups))
+        fill = {"input_ids": self.encoder.tokenizer.pad_token_id or 0, "labels": IGNORE}
+        out = {k: torch.full((len(groups), width), fill.get(k, 0), dtype=batch[k].dtype) for k in per_token}
+        text = torch.zeros((len(groups), width), dtype=torch.long)
+        rope = torch.zeros((3, len(groups), width), dtype=torch.long) if self.rope else None
+        grids = batch.get("image_grid_thw")
+        image = 0
+        for g, (first, group) in enumerate(_starts(groups)):
+            at = 0
+            for k in range(first, first + len(group)):
+                n = lengths[k]
+                for key in per_token:
+                    out[key][g, at:at + n] = batch[key][k, :n]
+                out["labels"][g, at] = IGNORE
+                text[g, at:at + n] = torch.arange(n)
+                if rope is not None:
+                    count = len(flat[k].get("images") or [])
+                    rope[:, g, at:at + n] = self.rope(
+                        input_ids=batch["input_ids"][k:k + 1, :n],
+                        mm_token_type_ids=batch["mm_token_type_ids"][k:k + 1, :n],
+                        image_grid_thw=grids[image:image + count] if count else None,
+                        attention_mask=torch.ones((1, n), dtype=torch.long))[0][:, 0]
+                    image += count
+                at += n
+            # The padding continues the last sample: it sees that sample, which never sees it (causal).
+            text[g, at:] = torch.arange(n, n + width - at)
+            if rope is not None:
+                rope[:, g, at:] = rope[:, g, at - 1:at].max() + 1 + torch.arange(width - at)
+        batch.update(out)
+        batch["position_ids"] = text if rope is None else torch.cat([text[None], rope])
+        batch[BinnedBatches.REAL_TOKENS] = sum(lengths)
+        return batch
+
+
+def _starts(groups: list[list]) -> list[tuple[int, list]]:
+    """Each group with the index of its first row in the flattened batch."""
+    out, first = [], 0
+    for group in groups:
+        out.append((first, group))
+        first += len(group)
+    return out
 
 
 def vision_trl(collator: VisionCollator) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(config, trainer kwargs)`` that make TRL's trainer take the rows as they are, through ``collator``."""
-    return ({"remove_unused_columns": False, "dataset_kwargs": {"skip_prepare_dataset": True}},
+    # TRL neither prepares nor packs the rows: the collator renders and (with packing) packs them.
+    return ({"remove_unused_columns": False, "dataset_kwargs": {"skip_prepare_dataset": True}, "packing": False},
             {"data_collator": collator, "processing_class": collator.encoder.processor})
 
 

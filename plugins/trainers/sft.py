@@ -21,7 +21,7 @@ from ftcore_plugins.common.prepare import data_origin, is_stream
 from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.common.device_defaults import device_type, model_device
-from ftcore_plugins.trainers._packing import PACKED_PATHS, choose_path, path_problem, with_packed_attention
+from ftcore_plugins.trainers._packing import BINNED, PACKED_PATHS, choose_path, path_problem, with_packed_attention
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 from ftcore_plugins.trainers._vision import image_rows, save_processor, vision_splits, vision_trl
 
@@ -83,7 +83,9 @@ class SFT(TrainChecks, TrainerMemory, Component):
         if config.get("packing") and config.get("packing_strategy") != "wrapped":
             path = choose_path(getattr(o, "packed_attention", "auto"), ctx.model, model_device(ctx.model))
             ctx.reporter.log(ctx.stage, {"packed_attention": path}, step=0)
-            trainer_cls = with_packed_attention(trainer_cls, path)
+            if self.collator is not None:  # rows with images: their collator packs (trainers/_vision.py)
+                self.collator.binned = path in BINNED
+            trainer_cls = with_packed_attention(trainer_cls, path, collator=self.collator is None)
         extra: dict[str, Any] = {}
         if self.collator is not None:
             vision_config, extra = vision_trl(self.collator)

@@ -15,6 +15,8 @@ from urllib.request import url2pathname
 
 import pytest
 
+from _forkserver import HEAVY, ForkServer
+
 # The tiny data the plugin authors' kit generates is the suite's too.
 from ftcore.testing import ANIMALS, OTHERS, chat_rows, text_rows, write_jsonl  # noqa: F401
 
@@ -57,10 +59,19 @@ def _isolated_cache(tmp_path_factory):
     yield
 
 
+_FORK_SERVER: list = []  # this worker's (tests/_forkserver.py), started by the first heavy command
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 3600):
-    """Run ``python -m ftcore ARGS`` in a subprocess, as a user would. The timeout only catches a hang:
-    on a shared 2-core machine a run can take many times its idle time."""
+    """Run ``python -m ftcore ARGS`` in a process of its own, as a user would: a fork of this worker's
+    fork server where the command imports the training stack anyway, else a plain subprocess. The timeout
+    only catches a hang: on a shared 2-core machine a run can take many times its idle time."""
     full_env = {**os.environ, **(env or {})}
+    if os.environ.get("FTCORE_TEST_FORKSERVER", "1") != "0" and args and args[0] in HEAVY:
+        if not _FORK_SERVER:
+            _FORK_SERVER.append(ForkServer(dict(os.environ)))
+        if _FORK_SERVER[0].takes(args, full_env):
+            return _FORK_SERVER[0].run(args, cwd, full_env, timeout)
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -235,6 +246,8 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    for server in _FORK_SERVER:
+        server.close()
     before = getattr(session.config, "_ftcore_tree", None)
     after = _tree_files() if before is not None else None
     left = sorted(after - before) if after is not None else []

@@ -63,9 +63,17 @@ for line in proto_in:
                 os.close(opened)
             sys.stdin = open(0, closefd=False)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            sys.argv = ["ftcore", *job["args"]]
+            if job["env"].get("PYTHONWARNINGS") == "ignore":
+                import warnings
+                warnings.simplefilter("ignore")
             try:
-                runpy.run_module("ftcore", run_name="__main__", alter_sys=True)
+                if job.get("script"):
+                    sys.argv = [job["script"], *job["args"]]
+                    sys.path[0] = os.path.dirname(job["script"])
+                    runpy.run_path(job["script"], run_name="__main__")
+                else:
+                    sys.argv = ["ftcore", *job["args"]]
+                    runpy.run_module("ftcore", run_name="__main__", alter_sys=True)
                 code = 0
             except SystemExit as exc:
                 if exc.code is None:
@@ -104,21 +112,27 @@ class ForkServer:
         self.lock = threading.Lock()
         self.count = 0
 
-    def takes(self, args: tuple[str, ...], env: dict[str, str]) -> bool:
-        """Whether the command can run as a fork: a heavy command, with the server's import-time environment."""
-        if not self.ready or self.proc.poll() is not None or not args or args[0] not in HEAVY:
+    def takes(self, args: tuple[str, ...], env: dict[str, str], script: Path | None = None) -> bool:
+        """Whether the command can run as a fork: a heavy ``ftcore`` command (or a ``script``), with the
+        server's import-time environment (``PYTHONWARNINGS=ignore`` the child applies itself)."""
+        if not self.ready or self.proc.poll() is not None:
             return False
-        if "--help" in args or "-h" in args:
+        if script is None and (not args or args[0] not in HEAVY or "--help" in args or "-h" in args):
             return False
         env = with_cli_defaults(env)
         keys = {k for k in (*env, *self.env) if k.upper().startswith(IMPORT_TIME)}
+        if env.get("PYTHONWARNINGS") == "ignore":
+            keys.discard("PYTHONWARNINGS")
         return all(env.get(k) == self.env.get(k) for k in keys)
 
-    def run(self, args: tuple[str, ...], cwd: Path | None, env: dict[str, str], timeout: float):
+    def run(self, args: tuple[str, ...], cwd: Path | None, env: dict[str, str], timeout: float,
+            script: Path | None = None):
+        """``ftcore ARGS``, or ``python SCRIPT ARGS``, in a fork."""
         with self.lock:
             self.count += 1
             out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
-            job = {"args": list(args), "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err)}
+            job = {"args": list(args), "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err),
+                   "script": str(script) if script else None}
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             pid = int(self.proc.stdout.readline())
@@ -126,7 +140,7 @@ class ForkServer:
             reader = threading.Thread(target=lambda: status.append(self.proc.stdout.readline()), daemon=True)
             reader.start()
             reader.join(timeout)
-            command = [sys.executable, "-m", "ftcore", *args]
+            command = [sys.executable, *([str(script)] if script else ["-m", "ftcore"]), *args]
             if reader.is_alive():
                 os.kill(pid, 9)
                 reader.join()

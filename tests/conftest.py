@@ -62,16 +62,34 @@ def _isolated_cache(tmp_path_factory):
 _FORK_SERVER: list = []  # this worker's (tests/_forkserver.py), started by the first heavy command
 
 
+def fork_server() -> ForkServer | None:
+    """This worker's fork server (started on first use), or None where FTCORE_TEST_FORKSERVER=0."""
+    if os.environ.get("FTCORE_TEST_FORKSERVER", "1") == "0":
+        return None
+    if not _FORK_SERVER:
+        _FORK_SERVER.append(ForkServer(dict(os.environ)))
+    return _FORK_SERVER[0]
+
+
+def run_script(script: Path, *args: str, env: dict | None = None, timeout: int = 600):
+    """``python SCRIPT ARGS`` (a benchmark) in a process of its own: a fork of the fork server where the
+    environment allows, else a plain subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    server = fork_server()
+    if server is not None and server.takes(args, full_env, script=script):
+        return server.run(args, None, full_env, timeout, script=script)
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
+                          env=full_env)
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 3600):
     """Run ``python -m ftcore ARGS`` in a process of its own, as a user would: a fork of this worker's
     fork server where the command imports the training stack anyway, else a plain subprocess. The timeout
     only catches a hang: on a shared 2-core machine a run can take many times its idle time."""
     full_env = {**os.environ, **(env or {})}
-    if os.environ.get("FTCORE_TEST_FORKSERVER", "1") != "0" and args and args[0] in HEAVY:
-        if not _FORK_SERVER:
-            _FORK_SERVER.append(ForkServer(dict(os.environ)))
-        if _FORK_SERVER[0].takes(args, full_env):
-            return _FORK_SERVER[0].run(args, cwd, full_env, timeout)
+    server = fork_server() if args and args[0] in HEAVY else None
+    if server is not None and server.takes(args, full_env):
+        return server.run(args, cwd, full_env, timeout)
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

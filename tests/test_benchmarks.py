@@ -11,12 +11,11 @@ import time
 
 import pytest
 
-from conftest import ROOT, SHARED
+from conftest import ROOT, SHARED, run_script
 
 
 def bench(script: str, *args: str, timeout: int = 600) -> str:
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    r = run_script(ROOT / "benchmarks" / script, *args, timeout=timeout, env={"PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
@@ -241,7 +240,7 @@ def test_gpu_throughput_quick_rehearsal_writes_each_arm_as_it_finishes(tmp_path)
 @pytest.mark.slow
 def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
     """Past the deadline no arm starts (each written as skipped, with why); a killed run keeps the lines it wrote."""
-    out = bench("gpu_throughput.py", "--tiny", "--quick", "--deadline-s", "1", "--jsonl", str(tmp_path / "d.jsonl"))
+    out = bench("gpu_throughput.py", "--tiny", "--quick", "--deadline-s", "0", "--jsonl", str(tmp_path / "d.jsonl"))
     lines = json_lines(tmp_path / "d.jsonl")
     arms = [line for line in lines if line["event"] == "arm"]
     assert len(arms) == len(lines[0]["schedule"]) == 21 and not any(line["event"] == "build" for line in lines)

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -521,27 +522,26 @@ def test_activation_offloading_asks_the_trainer_for_offloaded_checkpointing_on_a
 
 
 # -- estimate vs measured -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    """Every configuration estimated and measured once per session, shared by the xdist workers
-    (``computed_once``): measured in each worker, it cost each about 280 s, their runs competing for the
-    same two cores."""
-    def compute() -> list[dict]:
-        folder = bench.write_project(tmp_path_factory.mktemp("memory-estimate"))
-        return [{"name": r.config.name, "estimate": r.estimate, "measured_mib": r.measured_mib, "seconds": r.seconds}
-                for r in bench.run_all(bench.CONFIGS, folder)]
+def measured(tmp_path_factory, name: str) -> bench.Result:
+    """Configuration ``name`` estimated and measured once per session (``computed_once``): each xdist worker
+    measures the configurations its tests ask for, side by side with the other's (a run measures its own
+    process's memory), in one project the workers share."""
+    folder = Path(computed_once(tmp_path_factory, "memory-estimate-project",
+                                lambda: str(bench.write_project(tmp_path_factory.mktemp("memory-estimate")))))
+    config = next(c for c in bench.CONFIGS if c.name == name)
 
-    configs = {c.name: c for c in bench.CONFIGS}
-    results = [bench.Result(configs[r["name"]], r["estimate"], r["measured_mib"], r["seconds"])
-               for r in computed_once(tmp_path_factory, "memory-estimate", compute)]
-    print("\n" + bench.table(results))
-    return {r.config.name: r for r in results}
+    def compute() -> dict:
+        (r,) = bench.run_all([config], folder, jobs=1)
+        return {"estimate": r.estimate, "measured_mib": r.measured_mib, "seconds": r.seconds}
+
+    r = computed_once(tmp_path_factory, f"memory-estimate-{name}", compute)
+    return bench.Result(config, r["estimate"], r["measured_mib"], r["seconds"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [c.name for c in bench.CONFIGS])
-def test_estimate_is_within_25_percent_of_the_measured_peak(measured, name):
-    r = measured[name]
+def test_estimate_is_within_25_percent_of_the_measured_peak(tmp_path_factory, name):
+    r = measured(tmp_path_factory, name)
     assert abs(r.error) <= bench.TOLERANCE, (
         f"{name}: estimate {r.estimate_mib:.0f} MiB, measured {r.measured_mib:.0f} MiB ({100 * r.error:+.1f}%); "
-        f"notes: {r.stage['notes']}\n{bench.table(list(measured.values()))}")
+        f"notes: {r.stage['notes']}\n{bench.table([r])}")

@@ -1,9 +1,10 @@
-"""The fast path of ``run_cli``: a process per pytest worker that imports the heavy libraries once
-(torch, transformers, peft, trl, datasets, accelerate, deepspeed) and forks a fresh child for each
-``ftcore`` command that would import them anyway.
+"""The fast path of ``run_cli`` and ``run_script``: a process per pytest worker that imports the heavy
+libraries once (torch, transformers, peft, trl, datasets, accelerate, deepspeed) and forks a fresh
+child for each ``ftcore`` command, or benchmark script, that would import them anyway.
 
-A subprocess pays 10 to 25 seconds of imports on this 2-core machine before ``ftcore run`` does any
-work, and the suite runs a few hundred of them. The child is still a process of its own, as a user's
+A subprocess pays its imports before ``ftcore run`` does any work (``import peft`` alone took 12.7 s
+on this 2-core machine beside the suite), and the suite runs a few hundred of them:
+``tests/test_runs.py`` took 254 s as plain subprocesses and 127 s as forks. The child is still a process of its own, as a user's
 run is: its own working folder, environment, standard streams (files the test reads back), exit status
 and atexit handlers. What it shares with the server is what the imports did, so a command whose
 environment differs from the server's in anything a library reads at import (``IMPORT_TIME``), or a

@@ -3,6 +3,7 @@ status, standard streams, working folder and environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -47,3 +48,56 @@ def test_a_hang_is_killed_at_the_timeout(server, tmp_path):
         os.mkfifo(tmp_path / "plan.toml")
         server.run(("estimate", "plan.toml"), tmp_path, dict(os.environ), timeout=5)
     assert server.run(("run", "missing.toml"), tmp_path, dict(os.environ), timeout=300).returncode == 2
+
+
+CHILD = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "marker": os.environ.get("MARKER"),
+                  "forked": "torch" in sys.modules}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+DRIVER = """
+import json, os, subprocess, sys, tempfile
+real_run = sys.modules["_forkserver"]._REAL_RUN
+kept = tempfile.TemporaryDirectory()
+results = {}
+for name, run in (("nested", subprocess.run), ("real", real_run)):
+    env = {**os.environ, "MARKER": name}
+    script = run([sys.executable, "child.py", "3"], cwd="sub", env=env, capture_output=True, text=True)
+    merged = run([sys.executable, "child.py", "0"], cwd="sub", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    refused = run([sys.executable, "-m", "ftcore", "run", "plan.toml"], capture_output=True, text=True, timeout=300)
+    try:
+        run([sys.executable, "child.py", "4"], cwd="sub", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            check=True)
+    except subprocess.CalledProcessError as exc:
+        checked = exc.returncode
+    results[name] = {"script": [script.returncode, json.loads(script.stdout), script.stderr],
+                     "merged": merged.stdout.decode().splitlines()[1:],
+                     "refused": [refused.returncode, refused.stdout, refused.stderr], "checked": checked}
+results["kept"] = os.path.isdir(kept.name)
+print(json.dumps(results))
+"""
+
+
+def test_a_forked_commands_own_python_subprocesses_fork_too_and_behave_as_real_ones(server, tmp_path):
+    """A benchmark run as a fork starts its arms and `ftcore` runs with subprocess.run: those fork from it,
+    with what a real subprocess would see and give back, and its own cleanups stay its own."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "child.py").write_text(CHILD)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    (tmp_path / "plan.toml").write_text('[run]\nname = "x"\n\n[model]\nuse = "scratch"\nsize = "nope"\n')
+    done = server.run((), tmp_path, dict(os.environ), timeout=600, script=tmp_path / "driver.py")
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.splitlines()[-1])
+    nested, real = results["nested"], results["real"]
+    assert nested["script"][1].pop("forked") and not real["script"][1].pop("forked")  # imports not paid again
+    assert nested["script"][1]["marker"] == "nested" and real["script"][1]["marker"] == "real"
+    nested["script"][1]["marker"] = real["script"][1]["marker"] = None
+    assert nested["script"] == real["script"]
+    assert nested["script"][1]["cwd"] == str(tmp_path / "sub") == nested["script"][1]["path0"]
+    assert nested["merged"] == real["merged"] == ["to stderr"]
+    assert nested["refused"] == real["refused"] and nested["refused"][0] == 2
+    assert nested["checked"] == real["checked"] == 4
+    assert results["kept"]  # the fork's exit ran none of the driver's finalizers

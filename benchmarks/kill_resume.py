@@ -6,7 +6,9 @@ A tiny two-stage plan (pre-training, then LoRA SFT with checkpoints every 3 step
 ones are rotated away; a merged export) runs once uninterrupted for reference. Each trial starts the
 same plan, kills it with SIGKILL at one of these moments, then runs ``--resume`` until it completes:
 
-* ``loading``: 0 to 4 s after the start (imports, data, the model);
+* ``loading``: 0 to 4 s after the start (imports, data, the model), or at the first logged step if that
+  comes sooner (a run forked from a process that imported the libraries, as the tests start it, loads in
+  less);
 * ``steps``: once a random number of training steps is logged;
 * ``checkpoint``: while a checkpoint folder exists without its COMPLETE.json (being written);
 * ``rotation``: while more checkpoints are on disk than the plan keeps (an old one being deleted);
@@ -77,7 +79,7 @@ def moment(kind: str, run: Path, rng: random.Random, total_steps: int):
     """A predicate that turns true at a point of the given kind."""
     if kind == "loading":
         deadline = time.monotonic() + rng.uniform(0, 4)
-        return lambda: time.monotonic() >= deadline
+        return lambda: time.monotonic() >= deadline or logged_steps(run) >= 1
     if kind == "steps":
         n = rng.randint(1, total_steps - 1)
         return lambda: logged_steps(run) >= n
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", nargs="*", default=list(KINDS), choices=KINDS)
     parser.add_argument("--keep", type=Path, help="keep the run folders here")
+    parser.add_argument("--json", type=Path, help="also write the trials' results here")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     root = Path(args.keep or tempfile.mkdtemp(prefix="ftcore-kill-"))
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     bad = [r for r in results if r["problems"]]
     print(f"{len(results)} trials, {killed} killed mid-run, {len(bad)} with a difference "
           f"({time.perf_counter() - start_time:.0f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return results

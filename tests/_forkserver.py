@@ -93,9 +93,10 @@ def serve(preload: str) -> None:
 
 
 def fork_job(job: dict, close=None) -> int:
-    """Fork a child that runs ``job`` (``args``, ``script``, ``cwd``, ``env``, and ``out``/``err``: a file
-    to write, a descriptor to copy, ``"stdout"``, or None to keep this process's) and exits; return its
-    pid."""
+    """Fork a child that runs ``job`` and exits; return its pid. ``job``: ``args``, ``script`` (else
+    ``ftcore``), ``cwd``, ``env``; ``in``, ``out`` and ``err``, each a file to open, a descriptor to copy or
+    None to keep this process's (``in`` defaults to /dev/null); ``close``, descriptors the child must not
+    hold; ``new_session``."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -131,15 +132,20 @@ def _run_job(job: dict) -> int:
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
-    streams = {fd: os.dup(job[key]) if isinstance(job[key], int) else job[key] for fd, key in ((1, "out"), (2, "err"))}
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    if job.get("new_session"):
+        os.setsid()
+    # Descriptors are copied before any is replaced: "stderr to the caller's stdout" means the old fd 1.
+    streams = {fd: os.dup(target) if isinstance(target, int) else target
+               for fd, target in ((0, job.get("in", os.devnull)), (1, job["out"]), (2, job["err"]))}
+    for fd in job.get("close", ()):
+        if fd != -1:
+            os.close(fd)  # the parent's ends of the pipes: the child holding them would hide their EOF
     for fd, target in streams.items():
-        if target == "stdout":
-            os.dup2(1, fd)
-        elif isinstance(target, int):
+        if isinstance(target, str):
+            target = os.open(target, os.O_RDONLY if fd == 0 else os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if target is not None:
             os.dup2(target, fd)
-        elif target is not None:
-            os.dup2(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+            os.close(target)
     sys.stdin = open(0, closefd=False)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -148,7 +154,7 @@ def _run_job(job: dict) -> int:
     if job["env"].get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
     sys.path[:] = _AT_START["path"]
-    subprocess.run = _nested_run  # the command's own `python -m ftcore ...` and scripts fork from here too
+    subprocess.Popen = ForkingPopen  # the command's own `python -m ftcore ...` and scripts fork from here too
     code = 1
     try:
         if job.get("script"):
@@ -177,76 +183,48 @@ def _run_job(job: dict) -> int:
     return code
 
 
-_REAL_RUN = subprocess.run
-_RUN_KEYS = {"cwd", "env", "capture_output", "text", "universal_newlines", "encoding", "errors", "timeout", "check",
-             "stdout", "stderr"}
+class ForkingPopen(subprocess.Popen):
+    """``subprocess.Popen`` (so ``subprocess.run`` too) in a forked command: ``[sys.executable, -m, ftcore,
+    heavy command ...]`` and ``[sys.executable, script.py, ...]`` (a benchmark's arms, runs and runs it
+    kills) start as a fork of this process, which imported the libraries already, instead of an exec. The
+    child is this object's real child, with the pipes, signals and waits of an exec'd one; any other
+    command, or one from a process running other threads, is exec'd as usual."""
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, process_group):
+        job = None
+        if not (shell or executable or preexec_fn or pass_fds or gid is not None or gids or uid is not None
+                or umask >= 0 or process_group not in (None, -1)):
+            job = _fork_job(args, cwd, env)
+        if job is None:
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
+                                          errwrite, restore_signals, gid, gids, uid, umask, start_new_session,
+                                          process_group)
+        # What the child's standard streams become (-1: this process's), as an exec'd child's would.
+        job.update({"in": p2cread if p2cread != -1 else None, "out": c2pwrite if c2pwrite != -1 else None,
+                    "err": errwrite if errwrite != -1 else None, "close": [p2cwrite, c2pread, errread],
+                    "new_session": start_new_session})
+        self.pid = fork_job(job)
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
 
-def _nested_run(args, *more, **kw):
-    """``subprocess.run`` in a forked command: ``[sys.executable, -m, ftcore, heavy command ...]`` and
-    ``[sys.executable, script.py, ...]`` (a benchmark's arms, the tiny modes' runs) fork from this process,
-    which imported the libraries already; anything else, or from a process running other threads, is the real
-    ``subprocess.run``."""
-    job = _nested_job(args, more, kw)
-    if job is None:
-        return _REAL_RUN(args, *more, **kw)
-    captured = {}
-    for key in ("out", "err"):
-        target = kw.get(f"std{key}")
-        if kw.get("capture_output") or target == subprocess.PIPE:
-            fd, captured[key] = tempfile.mkstemp(prefix="ftcore-fork-", suffix=f".{key}")
-            os.close(fd)
-            job[key] = captured[key]
-        elif target == subprocess.DEVNULL:
-            job[key] = os.devnull
-        elif target == subprocess.STDOUT:
-            job[key] = "stdout"
-        elif target is None:
-            job[key] = None
-        else:
-            job[key] = target if isinstance(target, int) else target.fileno()
-    pid = fork_job(job)
-    timeout = kw.get("timeout")
-    deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-            if deadline is not None and time.monotonic() > deadline:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                raise subprocess.TimeoutExpired(args, timeout)
-            time.sleep(0.02)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        raise
-    finally:
-        text = kw.get("text") or kw.get("universal_newlines") or kw.get("encoding") or kw.get("errors")
-        output = {}
-        for key, path in captured.items():
-            data = Path(path).read_bytes()
-            output[key] = data.decode(kw.get("encoding") or "utf-8", kw.get("errors") or "strict") if text else data
-            os.unlink(path)
-    code = os.waitstatus_to_exitcode(done[1])
-    if kw.get("check") and code:
-        raise subprocess.CalledProcessError(code, args, output.get("out"), output.get("err"))
-    return subprocess.CompletedProcess(args, code, output.get("out"), output.get("err"))
-
-
-def _nested_job(args, more, kw) -> dict | None:
-    if more or not set(kw) <= _RUN_KEYS or isinstance(args, (str, bytes)):
+def _fork_job(args, cwd, env) -> dict | None:
+    if isinstance(args, (str, bytes)):
         return None
     # A fork copies no thread but the caller's, nor what the others were doing: only tqdm's monitor (asleep
     # but for a moment a second) may be running.
     if any(t is not threading.main_thread() and t.name != "tqdm_monitor" for t in threading.enumerate()):
         return None
-    argv = [os.fspath(a) for a in args]
+    argv = [os.fsdecode(a) for a in args]
     if len(argv) < 2 or argv[0] != sys.executable:
         return None
-    env = dict(os.environ if kw.get("env") is None else kw["env"])
-    if not same_imports(env, _AT_START["env"]):
+    env = dict(os.environ if env is None else {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
+    cwd = os.path.abspath(os.fsdecode(cwd) if cwd is not None else os.getcwd())
+    if not os.path.isdir(cwd) or not same_imports(env, _AT_START["env"]):
         return None
-    cwd = os.path.abspath(os.fspath(kw.get("cwd") or os.getcwd()))
     if argv[1:3] == ["-m", "ftcore"] and heavy(argv[3:]):
         return {"args": argv[3:], "script": None, "cwd": cwd, "env": env}
     script = os.path.join(cwd, argv[1])  # a script's path is the new process's, from its folder

@@ -55,12 +55,22 @@ import json, os, sys
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "marker": os.environ.get("MARKER"),
                   "forked": "torch" in sys.modules}))
 print("to stderr", file=sys.stderr)
+if sys.argv[1] == "sleep":
+    sys.stdout.flush()
+    __import__("time").sleep(300)
 sys.exit(int(sys.argv[1]))
 """
 
 DRIVER = """
 import json, os, subprocess, sys, tempfile
-real_run = sys.modules["_forkserver"]._REAL_RUN
+
+def real_run(*args, **kw):  # subprocess.run with the exec'ing Popen
+    forking, subprocess.Popen = subprocess.Popen, subprocess.Popen.__mro__[1]
+    try:
+        return subprocess.run(*args, **kw)
+    finally:
+        subprocess.Popen = forking
+
 kept = tempfile.TemporaryDirectory()
 results = {}
 for name, run in (("nested", subprocess.run), ("real", real_run)):
@@ -73,7 +83,14 @@ for name, run in (("nested", subprocess.run), ("real", real_run)):
             check=True)
     except subprocess.CalledProcessError as exc:
         checked = exc.returncode
-    results[name] = {"script": [script.returncode, json.loads(script.stdout), script.stderr],
+    popen = subprocess.Popen if name == "nested" else subprocess.Popen.__mro__[1]
+    with popen([sys.executable, "child.py", "sleep"], cwd="sub", stdout=subprocess.PIPE, text=True,
+                          start_new_session=True) as sleeper:
+        started = json.loads(sleeper.stdout.readline())
+        leads_a_session = os.getsid(sleeper.pid) == sleeper.pid
+        sleeper.terminate()
+        stopped = [sleeper.wait(timeout=60), started["forked"], leads_a_session]
+    results[name] = {"stopped": stopped, "script": [script.returncode, json.loads(script.stdout), script.stderr],
                      "merged": merged.stdout.decode().splitlines()[1:],
                      "refused": [refused.returncode, refused.stdout, refused.stderr], "checked": checked}
 results["kept"] = os.path.isdir(kept.name)
@@ -83,7 +100,8 @@ print(json.dumps(results))
 
 def test_a_forked_commands_own_python_subprocesses_fork_too_and_behave_as_real_ones(server, tmp_path):
     """A benchmark run as a fork starts its arms and `ftcore` runs with subprocess.run: those fork from it,
-    with what a real subprocess would see and give back, and its own cleanups stay its own."""
+    with what a real subprocess would see and give back (streams, pipes, exit status, signals, sessions), and
+    the driver's own cleanups stay its own."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "child.py").write_text(CHILD)
     (tmp_path / "driver.py").write_text(DRIVER)
@@ -100,4 +118,5 @@ def test_a_forked_commands_own_python_subprocesses_fork_too_and_behave_as_real_o
     assert nested["merged"] == real["merged"] == ["to stderr"]
     assert nested["refused"] == real["refused"] and nested["refused"][0] == 2
     assert nested["checked"] == real["checked"] == 4
+    assert nested["stopped"] == [-15, True, True] and real["stopped"] == [-15, False, True]  # pipes, signals
     assert results["kept"]  # the fork's exit ran none of the driver's finalizers

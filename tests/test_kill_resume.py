@@ -6,20 +6,19 @@ Killing mid-training is also ``test_training.py``'s resume test; the benchmark r
 from __future__ import annotations
 
 import importlib.util
-import sys
+import json
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_cli, run_script
 
 
 @pytest.mark.slow
 def test_killed_while_loading_checkpointing_and_exporting_then_resumed_is_the_same_run(tmp_path):
-    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "benchmarks" / "kill_resume.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["kill_resume"] = bench
-    spec.loader.exec_module(bench)
-    results = bench.main(["--trials", "3", "--kinds", "loading", "checkpoint", "export", "--keep", str(tmp_path)])
+    done = run_script(ROOT / "benchmarks" / "kill_resume.py", "--trials", "3", "--kinds", "loading", "checkpoint",
+                      "export", "--keep", str(tmp_path / "trials"), "--json", str(tmp_path / "r.json"), timeout=3600)
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    results = json.loads((tmp_path / "r.json").read_text())
     assert [r["kind"] for r in results] == ["loading", "checkpoint", "export"]
     assert all(r["killed"] for r in results), results  # each kill landed before the run ended
     assert [r["problems"] for r in results] == [[], [], []]
@@ -72,11 +71,8 @@ def _bench():
 @pytest.fixture(scope="module")
 def tokens_reference(tmp_path_factory):
     """The uninterrupted run of :func:`_tokens_project`, once for both kills."""
-    import subprocess
-
     folder = tmp_path_factory.mktemp("tokens-reference")
-    ref = subprocess.run([sys.executable, "-m", "ftcore", "run", str(_tokens_project(folder))], env=_bench().QUIET,
-                         capture_output=True, text=True)
+    ref = run_cli("run", str(_tokens_project(folder)), env=_bench().QUIET)
     assert ref.returncode == 0, ref.stderr[-3000:]
     return folder / "runs" / "tiny"
 
@@ -92,7 +88,6 @@ def test_a_lora_stage_after_a_full_one_on_added_tokens_killed_and_resumed_is_the
     same fp32 operations in one thread on the same CPU, from a checkpoint that holds the weights, the
     optimizer and the RNG states exactly, so any difference is a resume that lost or redid something."""
     import signal
-    import subprocess
     import time
 
     import torch
@@ -123,8 +118,7 @@ def test_a_lora_stage_after_a_full_one_on_added_tokens_killed_and_resumed_is_the
     else:
         assert not list(checkpoints.glob("checkpoint-*")), "a checkpoint was already there"
 
-    resumed = subprocess.run([sys.executable, "-m", "ftcore", "run", str(plan), "--resume"], env=bench.QUIET,
-                             capture_output=True, text=True)
+    resumed = run_cli("run", str(plan), "--resume", env=bench.QUIET)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (", resuming from checkpoint-4" in resumed.stdout) == (when == "after a checkpoint"), resumed.stdout
 

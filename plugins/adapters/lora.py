@@ -136,13 +136,14 @@ class LoraAdapter(PeftAdapter):
     def apply_meta(self, model, ctx):
         """For ``ftcore estimate``: the adapter's layers on the meta model. An initialisation that reads
         the weights (PiSSA's SVD, OLoRA's QR, LoftQ) cannot run on meta tensors, and changes no shape or
-        dtype, so the layers are made with peft's default initialisation."""
+        dtype, so the layers are made with peft's default initialisation, on the meta device too: made on
+        the CPU and initialised, a 70B model's adapter took 5 s per estimate."""
         from peft import get_peft_model
 
         config = self.peft_config(model, ctx)
         config.init_lora_weights = True
         config.loftq_config = {}
-        return get_peft_model(model, config)
+        return get_peft_model(model, config, low_cpu_mem_usage=True)
 
     def peft_config(self, model, ctx):
         from peft import LoraConfig

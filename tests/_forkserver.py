@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -119,7 +120,6 @@ def _run_job(job: dict) -> int:
     import atexit
     import builtins
     import runpy
-    import signal
     import traceback
     import types
     import warnings
@@ -256,30 +256,42 @@ class ForkServer:
         return (script is not None or heavy(args)) and same_imports(env, self.env)
 
     def run(self, args: tuple[str, ...], cwd: Path | None, env: dict[str, str], timeout: float,
-            script: Path | None = None):
-        """``ftcore ARGS``, or ``python SCRIPT ARGS``, in a fork."""
-        with self.lock:
+            script: Path | None = None) -> subprocess.CompletedProcess | None:
+        """``ftcore ARGS``, or ``python SCRIPT ARGS``, in a fork, to its end; None where the server is running
+        another command (one the test started and has not waited for)."""
+        proc = self.start(args, cwd, env, script=script)
+        if proc is None:
+            return None
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def start(self, args: tuple[str, ...], cwd: Path | None, env: dict[str, str], script: Path | None = None,
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> ForkedProcess | None:
+        """Start ``ftcore ARGS``, or ``python SCRIPT ARGS``, in a fork without waiting for it (to signal or kill
+        it); None where the server is running another command, or for streams other than PIPE and DEVNULL."""
+        if not {stdout, stderr} <= {subprocess.PIPE, subprocess.DEVNULL} or not self.lock.acquire(blocking=False):
+            return None
+        try:
             self.count += 1
-            out, err = self.folder / f"{self.count}.out", self.folder / f"{self.count}.err"
-            job = {"args": list(args), "cwd": str(cwd or os.getcwd()), "env": env, "out": str(out), "err": str(err),
-                   "script": str(script) if script else None}
+            job = {"args": list(args), "cwd": str(cwd or os.getcwd()), "env": env, "script": str(script) if script else None}
+            files = {}
+            for key, target in (("out", stdout), ("err", stderr)):
+                if target == subprocess.PIPE:
+                    files[key] = self.folder / f"{self.count}.{key}"
+                job[key] = str(files[key]) if key in files else os.devnull
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             pid = int(self.proc.stdout.readline())
-            status: list[str] = []
-            reader = threading.Thread(target=lambda: status.append(self.proc.stdout.readline()), daemon=True)
-            reader.start()
-            reader.join(timeout)
-            command = [sys.executable, *([str(script)] if script else ["-m", "ftcore"]), *args]
-            if reader.is_alive():
-                os.kill(pid, 9)
-                reader.join()
-                raise subprocess.TimeoutExpired(command, timeout, _read(out), _read(err))
-            code = int(status[0])
-            result = subprocess.CompletedProcess(command, code, _read(out), _read(err))
-            out.unlink(missing_ok=True)
-            err.unlink(missing_ok=True)
-            return result
+        except BaseException:
+            self.lock.release()
+            raise
+        command = [sys.executable, *([str(script)] if script else ["-m", "ftcore"]), *args]
+        return ForkedProcess(self, command, pid, files)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -291,6 +303,59 @@ class ForkServer:
         for f in self.folder.iterdir():
             f.unlink()
         self.folder.rmdir()
+
+
+class ForkedProcess:
+    """What the tests use of ``subprocess.Popen(..., text=True)`` for a command the server forked: ``pid``,
+    ``returncode``, ``poll``, ``wait``, ``communicate``, ``send_signal``, ``terminate``, ``kill``. The server
+    waits for the child (it is the server's) and reports its exit status."""
+
+    def __init__(self, server: ForkServer, args: list[str], pid: int, files: dict[str, Path]):
+        self.args, self.pid, self.returncode = args, pid, None
+        self._files, self._output = files, None
+        self._done = threading.Event()
+        threading.Thread(target=self._await, args=(server,), daemon=True).start()
+
+    def _await(self, server: ForkServer) -> None:
+        try:
+            line = server.proc.stdout.readline()
+            self.returncode = int(line) if line.strip() else -9  # the server itself died
+        finally:
+            server.lock.release()
+            self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str | None, str | None]:
+        self.wait(timeout)
+        if self._output is None:
+            self._output = {key: _read(path) for key, path in self._files.items()}
+            for path in self._files.values():
+                path.unlink(missing_ok=True)
+        return self._output.get("out"), self._output.get("err")
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):  # ended (and reaped) since
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.communicate()
 
 
 def with_cli_defaults(env: dict[str, str]) -> dict[str, str]:

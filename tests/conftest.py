@@ -77,7 +77,9 @@ def run_script(script: Path, *args: str, env: dict | None = None, timeout: int =
     full_env = {**os.environ, **(env or {})}
     server = fork_server()
     if server is not None and server.takes(args, full_env, script=script):
-        return server.run(args, None, full_env, timeout, script=script)
+        forked = server.run(args, None, full_env, timeout, script=script)
+        if forked is not None:
+            return forked
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
                           env=full_env)
 
@@ -89,9 +91,26 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     full_env = {**os.environ, **(env or {})}
     server = fork_server() if args and args[0] in HEAVY else None
     if server is not None and server.takes(args, full_env):
-        return server.run(args, cwd, full_env, timeout)
+        forked = server.run(args, cwd, full_env, timeout)
+        if forked is not None:
+            return forked
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(*args: str, cwd: Path | None = None, env: dict | None = None, stdout=subprocess.PIPE,
+              stderr=subprocess.PIPE):
+    """Start ``python -m ftcore ARGS`` without waiting (to signal or kill it), as ``run_cli`` runs it: a fork
+    while this worker's fork server is free, else a ``subprocess.Popen`` (text). Either has ``pid``, ``poll``,
+    ``wait``, ``communicate``, ``send_signal`` and ``returncode``."""
+    full_env = {**os.environ, **(env or {})}
+    server = fork_server() if args and args[0] in HEAVY else None
+    if server is not None and server.takes(args, full_env):
+        forked = server.start(args, cwd, full_env, stdout=stdout, stderr=stderr)
+        if forked is not None:
+            return forked
+    return subprocess.Popen([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env, stdout=stdout,
+                            stderr=stderr, text=True)
 
 
 @pytest.fixture

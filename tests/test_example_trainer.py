@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, installed
-from ftcore.testing import complete_checkpoints, run_ftcore, start_ftcore, wait_until, write_plan
+from conftest import ROOT, installed, start_cli
+from ftcore.testing import complete_checkpoints, run_ftcore, wait_until, write_plan
 
 EXAMPLE = ROOT / "examples" / "ftcore-example-trainer"
 DIST = "ftcore-example-trainer"
@@ -40,7 +40,7 @@ def test_killed_focal_sft_run_resumes_with_the_same_losses(example_installed, tm
 
     plan = write_plan(tmp_path, {"stage": [STAGE]})
     run_dir = tmp_path / "runs" / "tiny"
-    proc = start_ftcore("run", plan, env=ONE_THREAD)
+    proc = start_cli("run", str(plan), env=ONE_THREAD)
     try:
         wait_until(proc, lambda: complete_checkpoints(run_dir, "sft"))
         os.kill(proc.pid, signal.SIGKILL)

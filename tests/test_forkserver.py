@@ -120,3 +120,17 @@ def test_a_forked_commands_own_python_subprocesses_fork_too_and_behave_as_real_o
     assert nested["checked"] == real["checked"] == 4
     assert nested["stopped"] == [-15, True, True] and real["stopped"] == [-15, False, True]  # pipes, signals
     assert results["kept"]  # the fork's exit ran none of the driver's finalizers
+
+
+def test_a_started_command_is_signalled_and_waited_for_as_a_popen_is(server, tmp_path):
+    """``start`` (the kill-and-resume tests' way in): a real pid to signal, poll and wait, one command at a
+    time; while it runs the server refuses another, and the caller starts a subprocess instead."""
+    os.mkfifo(tmp_path / "plan.toml")  # `estimate` blocks reading a FIFO nobody writes
+    proc = server.start(("estimate", "plan.toml"), tmp_path, dict(os.environ))
+    assert proc.poll() is None and server.start(("run", "plan.toml"), tmp_path, dict(os.environ)) is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=1)
+    proc.kill()
+    assert proc.wait(timeout=60) == -9 and proc.communicate() == ("", "")
+    done = server.run(("run", "missing.toml"), tmp_path, dict(os.environ), timeout=300)
+    assert done.returncode == 2 and "missing.toml" in done.stderr

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, start_cli
 
 STAGES = """
 [[stage]]
@@ -234,13 +234,12 @@ def test_a_killed_sweep_resumes_without_counting_a_trial_twice(tiny_project):
                       space='"stage.sft.learning_rate" = { low = 1e-4, high = 1e-2, log = true }')
     path.write_text(path.read_text().replace("epochs = 2", "epochs = 6"))
     folder = tiny_project.dir / "runs" / "tiny"
-    proc = subprocess.Popen([sys.executable, "-m", "ftcore", "sweep", str(path)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = start_cli("sweep", str(path), stdout=subprocess.DEVNULL)
     checkpoints = folder / "trials" / "1" / "stages" / "sft" / "checkpoints"
     deadline = time.time() + 900
     while time.time() < deadline and proc.poll() is None and not list(checkpoints.glob("checkpoint-*/COMPLETE.json")):
         time.sleep(0.02)
-    assert proc.poll() is None, f"the sweep ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    assert proc.poll() is None, f"the sweep ended before it could be killed: {proc.communicate()[1][-2000:]}"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     r = run_cli("sweep", str(path), "--resume")
@@ -277,6 +276,7 @@ def test_two_workers_share_one_study(tiny_project):
         text = path.read_text().replace('name = "tiny"', f'name = "{name}"')
         paths.append(tiny_project.dir / f"{name}.toml")
         paths[-1].write_text(text.replace("[sweep]", f'[sweep]\nstudy = "shared"\nstorage = "sqlite:///{db}"'))
+    # Both subprocesses, so they start alike (a fork would finish the study before the other had imported).
     procs = [subprocess.Popen([sys.executable, "-m", "ftcore", "sweep", str(p)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for p in paths]
     for proc in procs:

@@ -18,7 +18,7 @@ import pytest
 
 from ftcore.testing import wait_until  # polls a run; fails the test if it ends first
 
-from conftest import run_cli
+from conftest import run_cli, start_cli
 
 WORDS = ["cat", "dog", "red", "blue", "tree", "stone", "runs", "sees", "the", "a"]
 
@@ -359,9 +359,8 @@ save_total_limit = 1
 QUIET = {**os.environ, "OMP_NUM_THREADS": "1"}  # same numerics in every run; kinder to a shared CPU
 
 
-def start(plan: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ftcore", "run", str(plan), *extra], env=QUIET,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(plan: Path, *extra: str):
+    return start_cli("run", str(plan), *extra, env=QUIET)
 
 
 def step_losses(run: Path) -> list[tuple[int, float]]:
@@ -370,7 +369,7 @@ def step_losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["stage"] == "sft" and "loss" in r]
 
 
-def stopped_by(sig: signal.Signals, proc: subprocess.Popen, run: Path, plan: Path) -> int:
+def stopped_by(sig: signal.Signals, proc, run: Path, plan: Path) -> int:
     """Send ``sig`` once the process has trained a step; check the clean stop; return its step."""
     checkpoints = run / "stages" / "sft" / "checkpoints"
     logged = len(step_losses(run))

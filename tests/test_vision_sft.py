@@ -297,7 +297,8 @@ def test_image_rows_killed_and_resumed_is_the_same_run(tmp_path):
     same losses as a run never killed (the batches rebuilt from the rows, images decoded again)."""
     import signal
 
-    from ftcore.testing import complete_checkpoints, start_ftcore, wait_until
+    from conftest import start_cli
+    from ftcore.testing import complete_checkpoints, wait_until
 
     extra = "save_steps = 4\n"
     runs = {}
@@ -312,7 +313,7 @@ def test_image_rows_killed_and_resumed_is_the_same_run(tmp_path):
             done = run_cli("run", "plan.toml", cwd=folder, timeout=1200)
             assert done.returncode == 0, done.stderr[-3000:]
             continue
-        proc = start_ftcore("run", "plan.toml", cwd=folder)
+        proc = start_cli("run", "plan.toml", cwd=folder)
         wait_until(proc, lambda: complete_checkpoints(runs[name], "sft"), timeout=1200)
         proc.send_signal(signal.SIGKILL)
         proc.communicate()

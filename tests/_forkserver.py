@@ -1,15 +1,26 @@
-"""The fast path of ``run_cli`` and ``run_script``: a process per pytest worker that imports the heavy
-libraries once (torch, transformers, peft, trl, datasets, accelerate, deepspeed) and forks a fresh
-child for each ``ftcore`` command, or benchmark script, that would import them anyway.
+"""The fast path of ``run_cli``, ``start_cli`` and ``run_script``: a process per pytest worker that imports
+the heavy libraries once (torch, transformers, peft, trl, datasets, accelerate, deepspeed, matplotlib) and
+forks a fresh child for each ``ftcore`` command, or benchmark script, that would import them anyway.
 
 A subprocess pays its imports before ``ftcore run`` does any work (``import peft`` alone took 12.7 s
 on this 2-core machine beside the suite), and the suite runs a few hundred of them:
-``tests/test_runs.py`` took 254 s as plain subprocesses and 127 s as forks. The child is still a process of its own, as a user's
-run is: its own working folder, environment, standard streams (files the test reads back), exit status
-and atexit handlers. What it shares with the server is what the imports did, so a command whose
-environment differs from the server's in anything a library reads at import (``IMPORT_TIME``), or a
-command that should import nothing heavy (``--help``, ``validate``, ``plugins``), runs as a plain
-subprocess.
+``tests/test_runs.py`` took 254 s as plain subprocesses and 127 s as forks. The child is still a process
+of its own, as a user's run is: its own working folder, environment, standard streams (files the test
+reads back), exit status, signals and atexit handlers. What it shares with the server is what the imports
+did, so a command whose environment differs from the server's in anything a library reads at import
+(``IMPORT_TIME``), or a command that should import nothing heavy (``--help``, ``validate``, ``plugins``),
+runs as a plain subprocess.
+
+Three more things keep a forked command fast:
+
+* the server freezes its imports' objects out of the garbage collector's sight, so a child's
+  ``gc.collect()`` (ftcore calls it between stages) does not walk, and copy, the whole heap (a tiny
+  ``ftcore run`` in a process that had imported the libraries, three times each way, alternating, beside
+  the suite: 3.5-4.7 s, frozen 1.4-2.4 s);
+* in a child, ``subprocess.Popen`` (so ``subprocess.run``) starts ``python -m ftcore`` and
+  ``python script.py`` as a fork of the child itself (:class:`ForkingPopen`): a benchmark's arms and
+  runs, and the runs its kill trials kill, skip their imports too;
+* :meth:`ForkServer.start` hands the test a Popen-like handle to signal, poll and wait for.
 
 Set ``FTCORE_TEST_FORKSERVER=0`` to run every command as a plain subprocess.
 """
@@ -37,6 +48,7 @@ IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_",
 PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers.trainer", "transformers.processing_utils",
            "peft", "trl", "trl.trainer.sft_trainer", "datasets", "accelerate", "deepspeed", "safetensors.torch",
            "matplotlib.pyplot")
+
 
 def same_imports(env: dict[str, str], reference: dict[str, str]) -> bool:
     """Whether a process started with ``env`` would import the libraries as one started with ``reference``

@@ -56,7 +56,24 @@ def _isolated_cache(tmp_path_factory):
     """Tests (and the CLI runs they start) use a cache of their own, never the user's."""
     os.environ["FTCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("ftcore-cache"))
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf-datasets-cache"))
+    _SESSION_ENV.update(os.environ)
     yield
+
+
+_SESSION_ENV: dict = {}  # the environment every test starts from (and the fork servers import in)
+
+
+@pytest.fixture(autouse=True)
+def _environment_kept():
+    """What a test changes in the environment ends with it. A command run in-process leaves variables set
+    (ftcore quiets the libraries through them, for the rest of the process, as a user's command should): the
+    next test starts without them, and its commands keep matching the environment its worker's fork server
+    imported in, instead of running as subprocesses for the rest of the session."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 _FORK_SERVER: list = []  # this worker's (tests/_forkserver.py), started by the first heavy command
@@ -67,7 +84,7 @@ def fork_server() -> ForkServer | None:
     if os.environ.get("FTCORE_TEST_FORKSERVER", "1") == "0":
         return None
     if not _FORK_SERVER:
-        _FORK_SERVER.append(ForkServer(dict(os.environ)))
+        _FORK_SERVER.append(ForkServer(dict(_SESSION_ENV or os.environ)))  # not a test's own changes
     return _FORK_SERVER[0]
 
 

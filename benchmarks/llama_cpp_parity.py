@@ -3,7 +3,8 @@
     python benchmarks/llama_cpp_parity.py [--run RUN_DIR] [--limit N]
 
 Without ``--run`` it copies ``examples/quickstart`` to a temporary folder, adds
-``[[export]] use = "gguf"`` (f16 and q8_0) and runs the plan (about 3 minutes on 2 cores). Then, for
+``[[export]] use = "gguf"`` (f16 and q8_0) and runs the plan (about 3 minutes on 2 cores). A ``--run``
+without a ``gguf`` export gets one from a second run with no stages, on its merged model. Then, for
 each held-out prompt (``data/eval.jsonl``, rendered with the run's chat template), it compares:
 
 * tokenization: llama.cpp's tokenizer (read from the GGUF file) against the transformers tokenizer;
@@ -35,10 +36,26 @@ def quickstart_with_gguf(folder: Path) -> Path:
     shutil.copytree(ROOT / "examples" / "quickstart", project, ignore=shutil.ignore_patterns("runs"))
     plan = project / "plan.toml"
     plan.write_text(plan.read_text(encoding="utf-8") + EXPORT, encoding="utf-8")
+    return run_plan(plan)
+
+
+def gguf_plan(run: Path, folder: Path) -> Path:
+    """A plan with no stages that exports quickstart run ``run``'s merged model again and as GGUF (f16,
+    q8_0), in ``folder`` beside a copy of its data: its run is one :func:`parity` reads, without training
+    again."""
+    project = folder / "quickstart-gguf"
+    shutil.copytree(run.parent.parent / "data", project / "data")
+    plan = project / "plan.toml"
+    plan.write_text(f'[run]\nname = "quickstart"\n\n[model]\nuse = "hf"\npath = "{run / "exports" / "merged"}"\n\n'
+                    '[template]\nuse = "native"\n\n[[export]]\nuse = "merged"\n' + EXPORT, encoding="utf-8")
+    return plan
+
+
+def run_plan(plan: Path) -> Path:
     result = subprocess.run([sys.executable, "-m", "ftcore", "run", str(plan)], capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"the quickstart run failed:\n{result.stderr[-3000:]}")
-    return project / "runs" / "quickstart"
+        raise SystemExit(f"ftcore run {plan} failed:\n{result.stderr[-3000:]}")
+    return plan.parent / "runs" / "quickstart"
 
 
 def parity(run: Path, limit: int | None = None) -> list[dict]:
@@ -95,6 +112,8 @@ def main() -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         run = args.run or quickstart_with_gguf(Path(tmp))
+        if not (run / "exports" / "gguf").is_dir():
+            run = run_plan(gguf_plan(run, Path(tmp)))
         results = parity(run, args.limit)
     print("| file | bytes | same tokenization | same greedy answer |\n|---|---:|---:|---:|")
     for r in results:

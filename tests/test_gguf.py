@@ -318,14 +318,18 @@ def test_validate_refuses_what_gguf_cannot_write(tiny_project):
 
 
 @pytest.mark.slow
-def test_llama_cpp_answers_the_quickstart_prompts_as_transformers_does(tmp_path):
-    """benchmarks/llama_cpp_parity.py on a fresh quickstart run with f16 and q8_0 exports: every one of
-    the 100 held-out prompts tokenizes the same in llama.cpp and gets the same greedy answer."""
+def test_llama_cpp_answers_the_quickstart_prompts_as_transformers_does(quickstart_run, tmp_path):
+    """benchmarks/llama_cpp_parity.py on the session's quickstart run, its merged model exported as f16 and
+    q8_0 by a run with no stages: every one of the 100 held-out prompts tokenizes the same in llama.cpp and
+    gets the same greedy answer."""
     pytest.importorskip("llama_cpp")
     spec = importlib.util.spec_from_file_location("llama_cpp_parity", ROOT / "benchmarks" / "llama_cpp_parity.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    results = {r["file"]: r for r in bench.parity(bench.quickstart_with_gguf(tmp_path))}
+    plan = bench.gguf_plan(quickstart_run, tmp_path)
+    done = run_cli("run", str(plan))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {r["file"]: r for r in bench.parity(plan.parent / "runs" / "quickstart")}
     print("\n" + "\n".join(f"{name}: tokenization {r['same_tokenization']}/{r['prompts']}, greedy answer "
                                 f"{r['same_greedy_answer']}/{r['prompts']}" for name, r in results.items()))
     assert sorted(results) == ["quickstart-f16.gguf", "quickstart-q8_0.gguf"]

@@ -115,6 +115,16 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_kit(*args, cwd: Path | None = None, env: dict | None = None):
+    """``ftcore.testing.run_ftcore(*args)``'s :class:`~ftcore.testing.RunResult` (losses, metrics), the
+    command run as ``run_cli`` runs it: a fork where it can."""
+    from ftcore.testing import RunResult, _run_dir
+
+    args = tuple(str(a) for a in args)
+    done = run_cli(*args, cwd=cwd, env=env)
+    return RunResult(done.returncode, done.stdout, done.stderr, _run_dir(args, cwd))
+
+
 def start_cli(*args: str, cwd: Path | None = None, env: dict | None = None, stdout=subprocess.PIPE,
               stderr=subprocess.PIPE):
     """Start ``python -m ftcore ARGS`` without waiting (to signal or kill it), as ``run_cli`` runs it: a fork

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, installed, start_cli
-from ftcore.testing import complete_checkpoints, run_ftcore, wait_until, write_plan
+from conftest import ROOT, installed, run_kit, start_cli
+from ftcore.testing import complete_checkpoints, wait_until, write_plan
 
 EXAMPLE = ROOT / "examples" / "ftcore-example-trainer"
 DIST = "ftcore-example-trainer"
@@ -34,7 +34,7 @@ def example_installed(tmp_path_factory):
 @pytest.mark.slow
 def test_killed_focal_sft_run_resumes_with_the_same_losses(example_installed, tmp_path):
     reference = write_plan(tmp_path, {"run": {"name": "reference"}, "stage": [STAGE]}, name="reference.toml")
-    done = run_ftcore("run", reference, env=ONE_THREAD).check()
+    done = run_kit("run", reference, env=ONE_THREAD).check()
     expected = done.losses("sft")
     assert sorted(expected) == list(range(1, 23))
 
@@ -46,7 +46,7 @@ def test_killed_focal_sft_run_resumes_with_the_same_losses(example_installed, tm
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.communicate()
-    resumed = run_ftcore("run", plan, "--resume", env=ONE_THREAD)
+    resumed = run_kit("run", plan, "--resume", env=ONE_THREAD)
     assert resumed.exit_code == 0, resumed.stderr
     first_kept = int(resumed.stdout.split("resuming from checkpoint-")[1].split()[0].rstrip(".,;:"))
     assert 4 <= first_kept < 22

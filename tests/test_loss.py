@@ -136,7 +136,8 @@ def test_gemma2_softcap():
 def test_kernels_train_the_same(tmp_path, trainer, data, adapter):
     """Whole runs with each loss_kernel: the same logged losses (gradient accumulation and
     evaluation included), token counts and token accuracy; entropy only when asked for."""
-    from ftcore.testing import run_ftcore, write_plan
+    from conftest import run_kit
+    from ftcore.testing import write_plan
 
     runs = {}
     for kernel in ("chunked", "full", "trl"):
@@ -146,7 +147,7 @@ def test_kernels_train_the_same(tmp_path, trainer, data, adapter):
         if trainer == "sft":
             stage.update(eval_data="chat_eval", eval_steps=3)
         plan = write_plan(tmp_path, {"run": {"name": kernel}, "stage": [stage]}, name=f"{kernel}.toml")
-        runs[kernel] = run_ftcore("run", plan, cwd=tmp_path).check()
+        runs[kernel] = run_kit("run", plan, cwd=tmp_path).check()
     losses = {k: r.losses("s") for k, r in runs.items()}
     assert len(losses["chunked"]) == 6
     for kernel in ("full", "trl"):

@@ -7,13 +7,11 @@ real pip install of ``examples/ftcore-example-command``), discovered by ``import
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import installed
+from conftest import installed, run_cli
 from ftcore.plugins import get_plugin_manager
 from test_plugin_manager import add_dist, ftcore_cli, lines_with
 
@@ -159,8 +157,7 @@ use = "perplexity"
 data = "chat_eval"
 when = "both"
 """)
-    run = subprocess.run([sys.executable, "-m", "ftcore", "run", str(plan)], capture_output=True, text=True,
-                         cwd=tiny_project.dir, timeout=3600)
+    run = run_cli("run", str(plan), cwd=tiny_project.dir)
     assert run.returncode == 0, run.stderr
     with installed(EXAMPLE, "ftcore-example-command", tmp_path):
         r = ftcore_cli("--help", cwd=tmp_path)

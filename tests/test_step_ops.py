@@ -4,20 +4,17 @@ packed batch, ftcore against TRL on the same batch, counted with torch.profiler 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_script
 
 
 @pytest.mark.slow
 def test_the_gpu_path_issues_no_more_operators_than_trl_and_its_syncs_stay_flat(tmp_path):
     out = tmp_path / "ops.jsonl"
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_ops.py"), "--tiny", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    r = run_script(ROOT / "benchmarks" / "step_ops.py", "--tiny", "--json", str(out), timeout=900,
+                   env={"PYTHONWARNINGS": "ignore"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     by = {(row["arm"], row["layers"], row["words"]): row for row in rows}

@@ -285,8 +285,8 @@ class ForkServer:
     def start(self, args: tuple[str, ...], cwd: Path | None, env: dict[str, str], script: Path | None = None,
               stdout=subprocess.PIPE, stderr=subprocess.PIPE) -> ForkedProcess | None:
         """Start ``ftcore ARGS``, or ``python SCRIPT ARGS``, in a fork without waiting for it (to signal or kill
-        it); None where the server is running another command, or for streams other than PIPE and DEVNULL."""
-        if not {stdout, stderr} <= {subprocess.PIPE, subprocess.DEVNULL} or not self.lock.acquire(blocking=False):
+        it); None where the server is running another command. Each stream: PIPE, DEVNULL or a file (a path)."""
+        if not self.lock.acquire(blocking=False):
             return None
         try:
             self.count += 1
@@ -295,7 +295,8 @@ class ForkServer:
             for key, target in (("out", stdout), ("err", stderr)):
                 if target == subprocess.PIPE:
                     files[key] = self.folder / f"{self.count}.{key}"
-                job[key] = str(files[key]) if key in files else os.devnull
+                job[key] = str(files[key]) if key in files else os.devnull if target == subprocess.DEVNULL \
+                    else os.fspath(target)
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             pid = int(self.proc.stdout.readline())

@@ -125,6 +125,26 @@ def run_kit(*args, cwd: Path | None = None, env: dict | None = None):
     return RunResult(done.returncode, done.stdout, done.stderr, _run_dir(args, cwd))
 
 
+def start_script(script: Path, *args: str, env: dict | None = None, stdout: Path | None = None,
+                 stderr: Path | None = None):
+    """Start ``python SCRIPT ARGS`` (a benchmark) without waiting, as ``run_script`` runs it; its output to
+    the files ``stdout`` and ``stderr`` (else nowhere). A fork while the server is free, else a Popen."""
+    full_env = {**os.environ, **(env or {})}
+    streams = [subprocess.DEVNULL if s is None else s for s in (stdout, stderr)]
+    server = fork_server()
+    if server is not None and server.takes(args, full_env, script=script):
+        forked = server.start(args, None, full_env, script=script, stdout=streams[0], stderr=streams[1])
+        if forked is not None:
+            return forked
+    files = [s if s == subprocess.DEVNULL else open(s, "w") for s in streams]  # noqa: SIM115 - the child's now
+    try:
+        return subprocess.Popen([sys.executable, str(script), *args], env=full_env, stdout=files[0], stderr=files[1])
+    finally:
+        for f in files:
+            if f != subprocess.DEVNULL:
+                f.close()
+
+
 def start_cli(*args: str, cwd: Path | None = None, env: dict | None = None, stdout=subprocess.PIPE,
               stderr=subprocess.PIPE):
     """Start ``python -m ftcore ARGS`` without waiting (to signal or kill it), as ``run_cli`` runs it: a fork

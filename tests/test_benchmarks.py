@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, SHARED, run_script
+from conftest import ROOT, SHARED, run_script, start_script
 
 
 def bench(script: str, *args: str, timeout: int = 600) -> str:
@@ -185,22 +185,22 @@ def test_gpu_throughput_quick_rehearsal_writes_each_arm_as_it_finishes(tmp_path)
     import importlib.util
 
     path = tmp_path / "q.jsonl"
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        # Two steps, the first timed (the last one never is): each arm's numbers, at the least training.
-        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--quick",
-                                 "--steps", "2", "--warmup", "0", "--jsonl", str(path)], stdout=out, stderr=err,
-                                text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        try:
-            give_up = time.monotonic() + 600
-            while not any("tokens_per_s" in line for line in json_lines(path)):
-                assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
-                assert time.monotonic() < give_up
-                time.sleep(0.1)
-            first = json_lines(path)
-            assert proc.poll() is None  # the first arm's numbers are written, the other arms still to run
-            proc.wait(timeout=1200)
-        finally:
-            proc.kill()
+    # Two steps, the first timed (the last one never is): each arm's numbers, at the least training.
+    proc = start_script(ROOT / "benchmarks" / "gpu_throughput.py", "--tiny", "--quick", "--steps", "2", "--warmup",
+                        "0", "--jsonl", str(path), stdout=tmp_path / "out", stderr=tmp_path / "err",
+                        env={"PYTHONWARNINGS": "ignore"})
+    try:
+        give_up = time.monotonic() + 600
+        while not any("tokens_per_s" in line for line in json_lines(path)):
+            assert proc.poll() is None, (tmp_path / "err").read_text()[-3000:]
+            assert time.monotonic() < give_up
+            time.sleep(0.1)
+        first = json_lines(path)
+        assert proc.poll() is None  # the first arm's numbers are written, the other arms still to run
+        proc.wait(timeout=1200)
+    finally:
+        proc.kill()
+        proc.wait()
     assert proc.returncode == 0, (tmp_path / "err").read_text()[-3000:]
     lines = json_lines(path)
     assert lines[:len(first)] == first and [line["event"] for line in first][-1] == "arm"
@@ -250,9 +250,8 @@ def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
     assert all("(unmeasured)" in row[2] for row in table_rows(out))
 
     path = tmp_path / "k.jsonl"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--runs",
-                             "tiny-lora-128", "--steps", "2", "--warmup", "0", "--jsonl", str(path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_script(ROOT / "benchmarks" / "gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps",
+                        "2", "--warmup", "0", "--jsonl", str(path))
     try:
         give_up = time.monotonic() + 600
         while not any("tokens_per_s" in line for line in json_lines(path)) and time.monotonic() < give_up:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import installed
+from _forkserver import heavy
+from conftest import fork_server, installed
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ftcore-example-evaluator"
@@ -77,6 +78,12 @@ def ftcore_cli(*args: str, cwd: Path, site: Path | None = None, env: dict[str, s
     if site is not None:
         clean["PYTHONPATH"] = str(site)
     clean.update(env or {})
+    # A fork of the worker's server where nothing read at import differs (a site folder on PYTHONPATH does).
+    server = fork_server() if heavy(args) else None
+    if server is not None and server.takes(args, clean):
+        forked = server.run(args, cwd, clean, timeout)
+        if forked is not None:
+            return forked
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=clean, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -15,7 +15,7 @@ from urllib.request import url2pathname
 
 import pytest
 
-from _forkserver import HEAVY, ForkServer
+from _forkserver import ForkServer, heavy
 
 # The tiny data the plugin authors' kit generates is the suite's too.
 from ftcore.testing import ANIMALS, OTHERS, chat_rows, text_rows, write_jsonl  # noqa: F401
@@ -88,15 +88,24 @@ def fork_server() -> ForkServer | None:
     return _FORK_SERVER[0]
 
 
+def forked(how: str, args: tuple[str, ...], env: dict, script: Path | None = None, **kw):
+    """``ForkServer.run`` or ``.start`` (``how``) of the command where this worker's fork server takes it;
+    None where it does not (the caller starts a subprocess). No server is started for a light command."""
+    if script is None and not heavy(args):
+        return None
+    server = fork_server()
+    if server is None or not server.takes(args, env, script=script):
+        return None
+    return getattr(server, how)(args, env=env, script=script, **kw)
+
+
 def run_script(script: Path, *args: str, env: dict | None = None, timeout: int = 600):
     """``python SCRIPT ARGS`` (a benchmark) in a process of its own: a fork of the fork server where the
     environment allows, else a plain subprocess."""
     full_env = {**os.environ, **(env or {})}
-    server = fork_server()
-    if server is not None and server.takes(args, full_env, script=script):
-        forked = server.run(args, None, full_env, timeout, script=script)
-        if forked is not None:
-            return forked
+    done = forked("run", args, full_env, script=script, cwd=None, timeout=timeout)
+    if done is not None:
+        return done
     return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
                           env=full_env)
 
@@ -106,11 +115,9 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
     fork server where the command imports the training stack anyway, else a plain subprocess. The timeout
     only catches a hang: on a shared 2-core machine a run can take many times its idle time."""
     full_env = {**os.environ, **(env or {})}
-    server = fork_server() if args and args[0] in HEAVY else None
-    if server is not None and server.takes(args, full_env):
-        forked = server.run(args, cwd, full_env, timeout)
-        if forked is not None:
-            return forked
+    done = forked("run", args, full_env, cwd=cwd, timeout=timeout)
+    if done is not None:
+        return done
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -131,11 +138,9 @@ def start_script(script: Path, *args: str, env: dict | None = None, stdout: Path
     the files ``stdout`` and ``stderr`` (else nowhere). A fork while the server is free, else a Popen."""
     full_env = {**os.environ, **(env or {})}
     streams = [subprocess.DEVNULL if s is None else s for s in (stdout, stderr)]
-    server = fork_server()
-    if server is not None and server.takes(args, full_env, script=script):
-        forked = server.start(args, None, full_env, script=script, stdout=streams[0], stderr=streams[1])
-        if forked is not None:
-            return forked
+    proc = forked("start", args, full_env, script=script, cwd=None, stdout=streams[0], stderr=streams[1])
+    if proc is not None:
+        return proc
     files = [s if s == subprocess.DEVNULL else open(s, "w") for s in streams]  # noqa: SIM115 - the child's now
     try:
         return subprocess.Popen([sys.executable, str(script), *args], env=full_env, stdout=files[0], stderr=files[1])
@@ -151,11 +156,9 @@ def start_cli(*args: str, cwd: Path | None = None, env: dict | None = None, stdo
     while this worker's fork server is free, else a ``subprocess.Popen`` (text). Either has ``pid``, ``poll``,
     ``wait``, ``communicate``, ``send_signal`` and ``returncode``."""
     full_env = {**os.environ, **(env or {})}
-    server = fork_server() if args and args[0] in HEAVY else None
-    if server is not None and server.takes(args, full_env):
-        forked = server.start(args, cwd, full_env, stdout=stdout, stderr=stderr)
-        if forked is not None:
-            return forked
+    proc = forked("start", args, full_env, cwd=cwd, stdout=stdout, stderr=stderr)
+    if proc is not None:
+        return proc
     return subprocess.Popen([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=full_env, stdout=stdout,
                             stderr=stderr, text=True)
 

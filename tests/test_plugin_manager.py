@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from _forkserver import heavy
-from conftest import fork_server, installed
+from conftest import forked, installed
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ftcore-example-evaluator"
@@ -79,11 +78,9 @@ def ftcore_cli(*args: str, cwd: Path, site: Path | None = None, env: dict[str, s
         clean["PYTHONPATH"] = str(site)
     clean.update(env or {})
     # A fork of the worker's server where nothing read at import differs (a site folder on PYTHONPATH does).
-    server = fork_server() if heavy(args) else None
-    if server is not None and server.takes(args, clean):
-        forked = server.run(args, cwd, clean, timeout)
-        if forked is not None:
-            return forked
+    done = forked("run", args, clean, cwd=cwd, timeout=timeout)
+    if done is not None:
+        return done
     return subprocess.run([sys.executable, "-m", "ftcore", *args], cwd=cwd, env=clean, capture_output=True,
                           text=True, timeout=timeout)
 

@@ -139,8 +139,12 @@ class StepProfile:
         for e in aten:
             if e.name not in SYNC_OPERATORS:
                 continue
-            frames = [s for s in ancestors(e) if ".py(" in s]
-            if e.name == "aten::_local_scalar_dense" and any("torch/optim/" in f for f in frames):
+            parents = list(ancestors(e))
+            frames = [s for s in parents if ".py(" in s]
+            # torch.optim's record_function scope, or its Python frames (torch 2.11's profiler links no
+            # frames as parents, so the scope is what finds them there)
+            if e.name == "aten::_local_scalar_dense" and any(
+                    s.startswith("Optimizer.step#") or "torch/optim/" in s for s in parents):
                 host_steps += 1  # torch's step counters: host tensors unless the optimizer is fused or capturable
                 continue
             syncs[e.name] += 1

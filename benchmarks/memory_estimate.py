@@ -200,9 +200,9 @@ def measure(config: Config, folder: Path) -> dict:
     """Run the plan and return its summary's memory points (MiB)."""
     plan = folder / f"{config.name}.toml"
     plan.write_text(config.plan())
-    cache = tempfile.mkdtemp(prefix=f"ftcore-cache-{config.name}-")  # no warm cache from another run
     start = time.perf_counter()
-    out = _cli(["run", str(plan), "--force"], env={"FTCORE_CACHE_DIR": cache})
+    with tempfile.TemporaryDirectory(prefix=f"ftcore-cache-{config.name}-") as cache:  # no warm cache from another run
+        out = _cli(["run", str(plan), "--force"], env={"FTCORE_CACHE_DIR": cache})
     if out.returncode != 0:
         raise RuntimeError(f"run {config.name} failed ({out.returncode}): {out.stderr[-2000:]}")
     summary = json.loads((folder / "runs" / config.name / "summary.json").read_text())

@@ -231,6 +231,37 @@ def test_quantized_file_difference_recorded_is_llama_cpps(trained):
     assert 0 < recorded == pytest.approx(diff, rel=1e-3)
     assert "| q8_0 read back by | llama.cpp |" in (trained / "gguf" / "README.md").read_text()
 
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", ["llama.cpp", "transformers"])
+def test_a_written_file_is_checked_by_its_reader_and_removed_when_wrong(trained, tmp_path, reader):
+    """The f16 file's check, by llama.cpp (where installed: what the export ran, its bound 2% of the largest
+    logit) and by transformers' reader (without llama-cpp-python: 0.05 absolute): the file passes against
+    the merged model's logits, and is removed, in one line, against logits it does not give."""
+    import shutil
+
+    from ftcore.errors import FtcoreError
+    from ftcore_plugins.exporters.gguf import GgufExporter
+    from ftcore_plugins.exporters.merged import logits
+
+    if reader == "llama.cpp":
+        pytest.importorskip("llama_cpp")
+        card = (trained / "gguf" / "README.md").read_text()
+        assert "| f16 read back by | llama.cpp |" in card and "| f16 tolerance |" in card
+    model, tokenizer = reference(trained / "merged")
+    inputs = [tokenizer(prompt, return_tensors="pt")["input_ids"] for prompt in PROMPTS]
+    expected = logits(model, inputs)
+    exporter = GgufExporter()
+    check = exporter.verify_llama_cpp if reader == "llama.cpp" else exporter.verify
+    copy = shutil.copy(trained / "gguf" / "tiny-f16.gguf", tmp_path / "tiny-f16.gguf")
+    record = check(copy, "f16", inputs, expected)
+    scale = max(float(e.abs().max()) for e in expected)
+    bound = 0.02 * scale if reader == "llama.cpp" else 0.05
+    assert record["f16 tolerance"] == pytest.approx(bound) and 0 < record["f16 max_abs_logit_diff"] < bound
+    with pytest.raises(FtcoreError, match=f"tiny-f16.gguf read back by {reader} gives logits up to .* above tolerance"):
+        check(copy, "f16", inputs, [e + 3 * bound for e in expected])
+    assert not copy.exists()
+
+
 # llama itself is the trained model above (and mistral is written in llama's layout).
 ARCHITECTURES = [("mistral", "llama3", "llama-bpe"), ("qwen2", "qwen25", "qwen2")]
 

@@ -231,6 +231,7 @@ def test_quantized_file_difference_recorded_is_llama_cpps(trained):
     assert 0 < recorded == pytest.approx(diff, rel=1e-3)
     assert "| q8_0 read back by | llama.cpp |" in (trained / "gguf" / "README.md").read_text()
 
+
 @pytest.mark.slow
 @pytest.mark.parametrize("reader", ["llama.cpp", "transformers"])
 def test_a_written_file_is_checked_by_its_reader_and_removed_when_wrong(trained, tmp_path, reader):

@@ -46,7 +46,8 @@ yet, the work is started.
 JSON lines (``--jsonl``, default a new file in the temp folder; its path is printed first), each
 flushed when written, each with ``event`` and ``t`` (seconds since the start):
 
-* ``start``: device, machine, argv, steps, warm-up, deadline, the schedule ([run, arm] in order).
+* ``start``: device, machine, argv, steps, warm-up, deadline, the schedule ([run, arm] in order), and
+  ``scratch``: the temporary folder of the models and runs, removed at exit (a killed run leaves it).
 * ``build``: an architecture's model built and saved (``seconds``), or its ``error``.
 * ``prepare``: a run's rows and token ids (``seconds``).
 * ``arm``: ``run``, ``arm``, and either the measurements (below) or ``skipped`` (the reason;
@@ -768,8 +769,8 @@ def main() -> None:
     lines = Lines(args.jsonl)
     print(f"JSON lines: {args.jsonl}", flush=True)
     say(f"device: {device}; {settings}")
-    lines.write("start", device=device, machine=machine(), argv=sys.argv[1:], steps=args.steps, warmup=args.warmup,
-                deadline_s=args.deadline_s, peak_tflops=peak, schedule=schedule)
+    lines.write("start", device=device, machine=machine(), argv=sys.argv[1:], scratch=str(args.scratch),
+                steps=args.steps, warmup=args.warmup, deadline_s=args.deadline_s, peak_tflops=peak, schedule=schedule)
     # The libraries every arm uses, imported before the first arm: its time is then its own work.
     import peft  # noqa: F401
     import trl  # noqa: F401

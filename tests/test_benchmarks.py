@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -212,6 +214,7 @@ def test_gpu_throughput_quick_rehearsal_writes_each_arm_as_it_finishes(tmp_path)
     expected = [[r, a] for r in runs for a in ("baseline", "ftcore")] + [[r, "baseline-packed"] for r in runs] + \
         [[r, a] for r, arms_ in runs.items() for a in arms_]
     assert start["schedule"] == expected and start["deadline_s"] == 450 and start["steps"] == 2
+    assert not Path(start["scratch"]).exists()  # removed at exit
     assert [[line["run"], line["arm"]] for line in arms] == expected  # one line per arm, in that order
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
     builds = [line for line in lines if line["event"] == "build"]
@@ -264,6 +267,9 @@ def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
     lines = [json.loads(line) for line in text.splitlines()]  # every line whole
     assert [line["event"] for line in lines][:4] == ["start", "build", "prepare", "arm"]
     assert lines[3]["arm"] == "baseline" and lines[3]["tokens_per_s"] > 0 and lines[-1]["event"] != "end"
+    scratch = Path(lines[0]["scratch"])  # killed: its models stay, where the start line says
+    assert (scratch / "tiny-lora-128").is_dir()
+    shutil.rmtree(scratch)
 
 
 @pytest.mark.slow

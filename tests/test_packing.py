@@ -17,11 +17,11 @@ from ftcore_plugins.trainers._packing import PER_SAMPLE_SDPA, BinnedBatches, blo
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma3_text"]
 
 
-def _model(model_type: str, **extra):
+def _model(model_type: str, head_dim: int = 8, **extra):
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(
         model_type, vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0, **extra)
+        num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256, pad_token_id=0, **extra)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
     return model.train()  # dropout is 0 in these configs; train() is what a stage runs in
 
@@ -151,11 +151,11 @@ def _unbinned(logits, bins):
     return torch.cat([logits[row:row + 1, :len(b["input_ids"])] for row, b in enumerate(bins)], dim=1)
 
 
-def _binned_against_alone(path: str, model_type: str, *, grads: bool, device: str = "cpu"):
+def _binned_against_alone(path: str, model_type: str, *, grads: bool, device: str = "cpu", head_dim: int = 8):
     from ftcore_plugins.trainers._packing import KERNELS, attention_for
 
     extra = {"sliding_window": 6} if model_type in ("mistral", "gemma3_text") else {}  # windows inside samples too
-    model = _model(model_type, **extra).to(device)
+    model = _model(model_type, head_dim, **extra).to(device)
     batch, bins = _binned([5, 9, 14, 22, 7, 30, 3, 12], seed=len(model_type))
     batch = {k: v.to(device) if hasattr(v, "to") else v for k, v in batch.items()}
     assert batch[BinnedBatches.REAL_TOKENS] == sum(len(b["input_ids"]) for b in bins)
@@ -198,10 +198,54 @@ def test_flex_gives_each_sample_its_logits_alone(model_type):
     _binned_against_alone("flex", model_type, grads=False)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward runs on a GPU only")
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_flex_gives_each_sample_its_logits_and_gradients_alone_on_a_gpu(model_type):
-    _binned_against_alone("flex", model_type, grads=True, device="cuda")
+    # head_dim 16: torch's CUDA lowering of flex attention refuses a smaller one ("NYI: embedding dimension").
+    _binned_against_alone("flex", model_type, grads=True, device="cuda", head_dim=16)
+
+
+@pytest.mark.slow
+def test_flex_compiles_once_for_batches_of_every_fill():
+    """transformers compiles flex attention and its block mask, and each shape it has not seen compiles them
+    again. A flex stage's batches are all one shape (rows of max_length rounded up to 128, a short batch
+    filled with rows of padding), so 10 batches of varying fill, the last one short, compile 2 graphs.
+    The check can fail: batches as long as their longest bin compile 2 more at the next width."""
+    from torch._dynamo.utils import counters
+
+    from ftcore_plugins.trainers._packing import fixed_width
+
+    model = _model("llama", head_dim=16).eval()
+    model.set_attn_implementation("flex_attention")
+    rng = random.Random(0)
+
+    def batches(collate, count):
+        for step in range(count):
+            bins = []
+            for _ in range(4 if step < count - 1 else 2):
+                lengths = [rng.randint(5, 60) for _ in range(rng.randint(1, 3))]
+                ids = [rng.randrange(3, 120) for _ in range(sum(lengths))]
+                bins.append({"input_ids": ids, "labels": ids, "seq_lengths": lengths})
+            yield collate(bins)
+
+    def graphs(collate, count):
+        torch._dynamo.reset()
+        counters.clear()
+        shapes = set()
+        with torch.no_grad():  # forward only: torch 2.13 has no flex backward on a CPU
+            for batch in batches(collate, count):
+                shapes.add(tuple(batch["input_ids"].shape))
+                model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        return counters["stats"]["unique_graphs"], shapes
+
+    width = fixed_width("flex", 200)
+    assert width == 256
+    compiled, shapes = graphs(BinnedBatches(0, width, rows=4), 10)
+    assert shapes == {(4, 256)} and compiled == 2
+    compiled, shapes = graphs(BinnedBatches(0), 2)
+    assert len(shapes) == 2 and compiled == 4
+    torch._dynamo.reset()
 
 
 def test_binned_batches_label_each_samples_first_token_and_the_padding_out():
@@ -214,6 +258,12 @@ def test_binned_batches_label_each_samples_first_token_and_the_padding_out():
     assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]]  # the padding follows the last sample
     assert batch["labels"].tolist() == [[-100, 6, -100, 8, 9], [-100, 4, -100, -100, -100]]
     assert batch[BinnedBatches.REAL_TOKENS] == 7
+    # A fixed shape (flex): every row 8 wide, and the batch filled to 3 rows with a row of padding.
+    fixed = BinnedBatches(pad_token_id=0, width=8, rows=3)([{"input_ids": [3, 4], "labels": [3, 4]}])
+    assert fixed["input_ids"].tolist() == [[3, 4, 0, 0, 0, 0, 0, 0], [0] * 8, [0] * 8]
+    assert fixed["labels"].tolist() == [[-100, 4, *[-100] * 6], [-100] * 8, [-100] * 8]
+    assert fixed["position_ids"].tolist() == [list(range(8))] * 3
+    assert fixed[BinnedBatches.REAL_TOKENS] == 2
 
 
 def test_the_path_follows_the_device_and_what_is_installed(monkeypatch):

@@ -3,8 +3,9 @@
 What wins on a CPU can lose badly on a GPU: a Python loop over a packed batch's samples is cheap on a
 CPU and thousands of small kernels and host syncs on a GPU; fp32 copies of the embeddings cost a CPU
 nothing (it computes in fp32 anyway) and a GPU gigabytes. So each option below whose value is
-``"auto"`` in a plan takes the default of the device the stage runs on, and each default says where
-it was measured (``benchmarks/RESULTS.md``) or that it was not.
+``"auto"`` in a plan takes the default of the device the stage trains on (:func:`training_device`: where
+the Trainer will put the model, not where the loader left it), and each default says where it was
+measured (``benchmarks/RESULTS.md``) or that it was not.
 
 Only the built-in plugins read this table; ``ftcore estimate --device`` reads the same defaults for
 the device it estimates for, so the estimate describes the run that would happen there.
@@ -13,7 +14,6 @@ the device it estimates for, so the estimate describes the run that would happen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,9 @@ CUDA = DeviceDefaults(
     optimizer="adamw_torch_fused",
     compile=False,
     sources={
-        "packed_attention": "unmeasured: library kernels with no loop over samples and no host sync in the "
-                            "model (benchmarks/gpu_throughput.py --quick measures each path)",
+        "packed_attention": "unmeasured: library kernels with no loop over samples; one host sync a forward "
+                            "pass, in transformers' mask code (benchmarks/gpu_throughput.py --quick measures "
+                            "each path)",
         "loss_kernels": "unmeasured: Liger's fused linear cross-entropy where installed, else chunked "
                         "(gpu_throughput.py --quick arms loss-full, loss-trl, liger)",
         "loss_chunk_elements": "unmeasured: 64M logits, 512 rows of a 128k vocabulary, about the rows a chunk "
@@ -86,11 +87,15 @@ def defaults(device: str | None = None) -> DeviceDefaults:
     return DEVICES.get(device, CPU)
 
 
-def model_device(model: Any) -> str:
-    """``"cuda"`` or ``"cpu"``: the device type of ``model``'s first parameter (a GPU's, for a model
-    placed on a GPU; ``"cpu"`` for one without parameters)."""
-    parameter = next(iter(model.parameters()), None)
-    return "cuda" if parameter is not None and parameter.device.type == "cuda" else "cpu"
+def training_device() -> str:
+    """``"cuda"`` or ``"cpu"``: the device type a stage trains on in this process, as transformers'
+    ``TrainingArguments.device`` gives it (a GPU whenever torch sees one; ftcore sets ``use_cpu`` only
+    where it sees none). Every per-device default is decided from this, before the Trainer exists: an
+    unquantized model is loaded on the CPU and moved to the GPU only by the Trainer's ``__init__``, so
+    where the loaded model sits says nothing about where it trains."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def optimizer_for(name: str, device: str | None = None) -> str:
@@ -100,9 +105,25 @@ def optimizer_for(name: str, device: str | None = None) -> str:
 
 
 def loss_kernel_for(device: str) -> str:
-    """``loss_kernel = "auto"`` on ``device``: the first of its defaults that runs here (Liger needs a GPU
-    and liger-kernel)."""
+    """``loss_kernel = "auto"`` on ``device``: the first of its defaults that runs here (Liger needs a GPU,
+    liger-kernel, and a C compiler for Triton)."""
     import importlib.util
 
-    runs = {"liger": device == "cuda" and importlib.util.find_spec("liger_kernel") is not None}
+    runs = {"liger": device == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+            and triton_problem() is None}
     return next((k for k in defaults(device).loss_kernels if runs.get(k, True)), "chunked")
+
+
+def triton_problem() -> str | None:
+    """Why Triton kernels (flex attention's, Liger's) cannot be built here, or None. Triton compiles a
+    small C launcher for each kernel with the compiler that ``$CC`` names, else gcc, else clang (as its
+    ``runtime/build.py`` looks them up); without one, the first training step fails."""
+    import os
+    import shutil
+
+    cc = os.environ.get("CC")
+    if cc:
+        return None if shutil.which(cc) else f"Triton builds its kernels' launchers with $CC ({cc}), which is not found"
+    if shutil.which("gcc") or shutil.which("clang"):
+        return None
+    return "Triton builds its kernels' launchers with a C compiler (gcc or clang, or $CC), and none is on PATH"

@@ -81,7 +81,9 @@ class BnbQuantizer(Component):
             raise FtcoreError(f"quantizer '{self.name}': the model loader ignored the quantizer (the model is not "
                               f"loaded in {self.bits}-bit); use a loader that passes load_kwargs() to "
                               "from_pretrained, such as [model] use = \"hf\"")
-        if self.keeps_fp32(_model_device(model)):
+        from ftcore_plugins.common.device_defaults import training_device
+
+        if self.keeps_fp32(training_device()):
             from peft import prepare_model_for_kbit_training
 
             # Freezes every base weight, upcasts fp16/bf16 non-quantized weights (norms, embeddings,
@@ -178,19 +180,6 @@ def keep_cpu_layout_trainable(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-
-
-def _model_device(model) -> str:
-    """The device type the loaded model's weights are on; for one that has none there yet (meta),
-    where it will train: a GPU when one is visible to torch."""
-    import torch
-
-    from ftcore_plugins.common.device_defaults import model_device
-
-    parameter = next(iter(model.parameters()), None)
-    if parameter is not None and parameter.device.type != "meta":
-        return model_device(model)
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def compute_dtype(name: str):

@@ -63,7 +63,10 @@ def loss_problems(o: LossOptions) -> list[str]:
                 "already keeps the logits small)"]
     if importlib.util.find_spec("liger_kernel") is None:
         return [f"{key}: the liger-kernel package is not installed (pip install 'ftcore[liger]')"]
-    return []
+    from ftcore_plugins.common.device_defaults import triton_problem
+
+    problem = triton_problem()
+    return [f"{key}: Liger's kernels are Triton kernels: {problem}"] if problem else []
 
 
 def chunked_cross_entropy(hidden: Any, weight: Any, bias: Any, targets: Any, *, softcap: float | None = None,
@@ -94,12 +97,17 @@ def _nll_function() -> Any:
             correct = torch.zeros((), device=device, dtype=torch.long)
             entropy_sum = torch.zeros((), device=device, dtype=acc) if entropy else None
             need_h, need_w, need_b = (grads and flag for flag in ctx.needs_input_grad[:3])
+            # The head's products in the precision the model computes in (autocast's, else the weight's):
+            # torch runs the forward product so under autocast, but an in-place product into an fp32
+            # gradient would be a GEMM at fp32 speed (autocast leaves in-place operations alone).
+            low = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else weight.dtype
+            w = weight.to(low)  # cast once, not once a chunk (autocast would, for a weight that is not trained)
             grad_h = torch.empty(hidden.shape, device=device, dtype=acc) if need_h else None
             grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
             grad_b = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b else None
             for start in range(0, hidden.shape[0], chunk):
                 h, t = hidden[start:start + chunk], targets[start:start + chunk]
-                z = torch.mm(h, weight.t())
+                z = torch.mm(h.to(low), w.t())
                 if bias is not None:
                     z = z + bias
                 z = z.to(acc)
@@ -130,11 +138,11 @@ def _nll_function() -> Any:
                     p.mul_(1.0 - tanh * tanh)
                 if scale != 1.0:
                     p.mul_(scale)
-                g = p.to(weight.dtype)
+                g = p.to(low)
                 if grad_h is not None:
-                    grad_h[start:start + chunk] = torch.mm(g, weight).to(acc)
+                    grad_h[start:start + chunk] = torch.mm(g, w).to(acc)
                 if grad_w is not None:
-                    grad_w.addmm_(p.t(), h.to(acc))
+                    _add_product(grad_w, g.t(), h.to(low))
                 if grad_b is not None:
                     grad_b += p.sum(0)
             ctx.grads = (grad_h, grad_w, grad_b)
@@ -151,6 +159,28 @@ def _nll_function() -> Any:
     return ChunkedNLL
 
 
+def _add_product(acc: Any, a: Any, b: Any) -> None:
+    """``acc += a @ b``, ``acc`` in fp32. Operands in fp32 are one in-place product. Lower-precision ones
+    (bf16, fp16) keep their speed: on a GPU, one product with fp32 output into ``acc`` (torch's
+    ``out_dtype``, CUDA only); elsewhere, or where that is refused, the product in its own precision
+    (accumulated in fp32 inside the kernel), then added to ``acc``."""
+    import torch
+
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if a.is_cuda and _FP32_OUT.get("cuda", True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # a torch without it for this device or these dtypes
+            _FP32_OUT["cuda"] = False
+    acc.add_(torch.mm(a, b))
+
+
+_FP32_OUT: dict[str, bool] = {}  # whether torch.addmm takes out_dtype=fp32 on a device type (tried once)
+
+
 def logit_transform(config: Any) -> tuple[float | None, float] | None:
     """The final-logit softcap and scale a model applies after its LM head, or None for a transform
     this loss does not reproduce (those models use ``full``)."""
@@ -162,18 +192,18 @@ def logit_transform(config: Any) -> tuple[float | None, float] | None:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
-def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: bool = False,
-                   device: str | None = None) -> str:
-    """The loss kernel a stage runs. ``auto``: the first of ``device``'s defaults (the model's device when
-    None) that runs here: ``liger`` where liger-kernel is installed on a GPU, else ``chunked``.
+def resolve_kernel(kernel: str, model: Any, *, device: str, sharded: bool = False, liger: bool = False) -> str:
+    """The loss kernel a stage runs. ``auto``: the first of ``device``'s defaults (the device the stage
+    trains on, ``device_defaults.training_device``) that runs here: ``liger`` where liger-kernel is
+    installed on a GPU, else ``chunked``.
     ``chunked`` (and ``liger``) where it reproduces the model's loss exactly (``chunked`` becomes
     ``liger`` with ``liger``, where no logit scale is needed); else ``trl`` for an LM head that FSDP or
     ZeRO-3 shards (``sharded``: TRL's kernel gathers it), and ``full`` for a mixture of experts'
     auxiliary loss or a logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
-    from ftcore_plugins.common.device_defaults import loss_kernel_for, model_device
+    from ftcore_plugins.common.device_defaults import loss_kernel_for
 
     if kernel == "auto":
-        kernel = loss_kernel_for(device or model_device(model))
+        kernel = loss_kernel_for(device)
     if kernel not in ("chunked", "liger"):
         return kernel
     if sharded:
@@ -194,19 +224,13 @@ def resolve_kernel(kernel: str, model: Any, *, sharded: bool = False, liger: boo
     return "chunked"
 
 
-def chunk_elements(model: Any) -> int:
-    """Logits per chunk of the chunked loss on ``model``'s device."""
-    from ftcore_plugins.common.device_defaults import defaults, model_device
-
-    return defaults(model_device(model)).loss_chunk_elements
-
-
 def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False, chunk: int | None = None) -> None:
     """Patch the transformers model under ``model`` (PEFT's base model) so that
     ``model(..., labels=labels, chunked_loss=True)`` returns a ``ChunkedLoss`` (the summed loss
     of the shifted labels, the trained tokens, the correct ones, the entropy) instead of logits:
     from :func:`chunked_cross_entropy`, or with ``liger`` from Liger's fused linear cross-entropy
-    (which gives no entropy). ``chunk``: logits per chunk (default: the device's).
+    (which gives no entropy). ``chunk``: logits per chunk (default: that of the device this process
+    trains on).
     Without ``chunked_loss`` the forward is the original one: generation is unchanged.
     ``strip_forward_patches`` removes the patch, as it removes TRL's."""
     import types
@@ -216,7 +240,10 @@ def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False, chunk: i
     softcap, scale = logit_transform(base.config)
     output = _output_class()
     prefix = base.base_model_prefix
-    chunk = chunk or chunk_elements(base)
+    if not chunk:
+        from ftcore_plugins.common.device_defaults import defaults, training_device
+
+        chunk = defaults(training_device()).loss_chunk_elements
     if liger:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -239,7 +266,7 @@ def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False, chunk: i
         where = mask.flatten().nonzero().squeeze(1)
         trained = hidden[:, :-1].to(head.weight.device).flatten(0, 1).index_select(0, where)
         wanted = targets.flatten().index_select(0, where)
-        if liger:
+        if liger and wanted.numel():  # no trained position: Liger divides by their count, the chunked loss gives 0
             out = fused(head.weight, trained, wanted, head.bias)
             nll, correct, entropy_sum = out.loss, (out.token_accuracy * wanted.numel()).round().long(), None
         else:

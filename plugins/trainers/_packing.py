@@ -9,7 +9,9 @@ reaches the model, and which attention runs on it, is the stage's ``packed_atten
 - ``flex`` and ``sdpa_block``: one row per bin (:class:`BinnedBatches`), position ids restarting per
   sample and no attention mask, so transformers builds the packed-sequence mask once per forward
   pass, shared by every layer (a ``BlockMask`` for ``flex_attention``, a block-diagonal mask of
-  ``max_length`` squared per bin for SDPA), sliding windows included. No loop over samples.
+  ``max_length`` squared per bin for SDPA), sliding windows included. No loop over samples. flex's
+  rows are all ``max_length`` rounded up to 128 wide (:func:`fixed_width`): it is compiled, and a
+  width it has not seen is a recompilation.
 - ``sdpa_per_sample``: the one row of ``varlen``, and SDPA's causal kernel run sample by sample
   (:func:`per_sample_attention`): on a CPU the cheapest (``benchmarks/RESULTS.md``, Packing), on a
   GPU thousands of small kernels a step.
@@ -142,32 +144,59 @@ def path_problem(path: str, device: str) -> str | None:
             return "flex attention needs torch >= 2.5"
         if device == "cpu":  # torch 2.13: "FlexAttention does not support backward on CPU"
             return "flex attention has no backward pass on a CPU, so it cannot train there"
+        from ftcore_plugins.common.device_defaults import triton_problem
+
+        if (problem := triton_problem()) is not None:
+            return f"flex attention is compiled to Triton kernels: {problem}"
     return None
 
 
 def choose_path(option: str, model: Any, device: str) -> str:
-    """The path packed batches take on ``model``: the one its kernel takes when that is not SDPA (the plan
-    asked for it); else ``option``, or for ``auto`` the first of the device's defaults that runs here and
-    that the model supports."""
-    from ftcore_plugins.common.device_defaults import defaults
-
+    """The path packed batches take on ``model`` when it trains on ``device``: the one its kernel takes when
+    that is not SDPA (the plan asked for it); else ``option``, or for ``auto`` the first of the device's
+    defaults that runs here and that the model supports."""
     kernel = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
     if kernel != "sdpa":
         return OWN_KERNEL_PATHS.get(kernel, kernel)
     if option != "auto":
         return option
+    return next((p for p, why in _auto_paths(model, device) if why is None), "sdpa_per_sample")
+
+
+def passed_over(option: str, model: Any, device: str, path: str) -> str | None:
+    """Why ``auto`` did not take the paths the device prefers to ``path`` (one clause each), or None."""
+    if option != "auto":
+        return None
+    reasons = []
+    for candidate, why in _auto_paths(model, device):
+        if candidate == path:
+            break
+        reasons.append(f"not {candidate}: {why}")
+    return "; ".join(reasons) or None
+
+
+def _auto_paths(model: Any, device: str) -> list[tuple[str, str | None]]:
+    """The device's packed-attention paths in order, each with why it cannot run here on ``model`` (None: it can)."""
+    from ftcore_plugins.common.device_defaults import defaults
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     supports = {"varlen": getattr(base, "_supports_flash_attn", False),
                 "flex": getattr(base, "_supports_flex_attn", False)}
-    return next((p for p in defaults(device).packed_attention
-                 if supports.get(p, True) and path_problem(p, device) is None), "sdpa_per_sample")
+    return [(p, f"{type(base).__name__} does not support it" if not supports.get(p, True) else path_problem(p, device))
+            for p in defaults(device).packed_attention]
 
 
-def packed_attention(model: Any) -> str:
-    """The path packed batches take on ``model`` on this machine with ``packed_attention = "auto"``."""
-    from ftcore_plugins.common.device_defaults import model_device
+# flex attention's kernels work on blocks of 128 positions (its BlockMask's default block size).
+FLEX_BLOCK = 128
 
-    return choose_path("auto", model, model_device(model))
+
+def fixed_width(path: str, max_length: int | None) -> int | None:
+    """The width every binned row of a ``path`` stage is padded to, or None (rows as long as the batch's
+    longest bin). flex attention is compiled (transformers compiles it and its block mask), and a new
+    width is a new shape to compile for: every batch gets ``max_length`` rounded up to a whole block."""
+    if path != "flex" or not max_length:
+        return None
+    return -(-max_length // FLEX_BLOCK) * FLEX_BLOCK
 
 
 @contextlib.contextmanager
@@ -204,24 +233,29 @@ def per_sample_sdpa(model: Any, packed: bool) -> Iterator[str | None]:
 
 class BinnedBatches:
     """The collator of the binned paths (``flex``, ``sdpa_block``, eager): a batch of packed bins as one
-    row each, right-padded to the longest (never trained), position ids restarting at each sample, no
-    attention mask: from those, transformers builds the packed-sequence mask once a forward pass. The
+    row each, right-padded to the longest or to a fixed width (never trained), position ids restarting at
+    each sample, no attention mask: from those, transformers builds the packed-sequence mask once a
+    forward pass. The
     first token of each sample is not predicted from the previous sample (label -100), as in TRL's
     padding-free rows. ``REAL_TOKENS`` counts the positions that are not padding (the stage's
     ``train_tokens``), on the host."""
 
     REAL_TOKENS = "ftcore_real_tokens"
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, width: int | None = None, rows: int | None = None):
         self.pad_token_id = pad_token_id
+        # With a fixed shape (flex, :func:`fixed_width`): every row ``width`` positions, and a batch short
+        # of bins (an epoch's last) filled to ``rows`` with rows of padding, trained on nowhere.
+        self.width, self.rows = width, rows
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         import torch
 
-        width = max(len(e["input_ids"]) for e in examples)
-        ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(examples), width), -100, dtype=torch.long)
-        positions = torch.zeros((len(examples), width), dtype=torch.long)
+        width = max(self.width or 0, *(len(e["input_ids"]) for e in examples))
+        shape = (max(self.rows or 0, len(examples)), width)
+        ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        labels = torch.full(shape, -100, dtype=torch.long)
+        positions = torch.arange(width).expand(shape).clone()  # a row of padding alone: one causal "sample"
         for row, example in enumerate(examples):
             length = len(example["input_ids"])
             ids[row, :length] = torch.tensor(example["input_ids"])
@@ -237,16 +271,18 @@ class BinnedBatches:
                 self.REAL_TOKENS: sum(len(e["input_ids"]) for e in examples)}
 
 
-def with_packed_attention(trainer_cls: type, path: str, *, collator: bool = True) -> type:
+def with_packed_attention(trainer_cls: type, path: str, *, collator: bool = True, width: int | None = None) -> type:
     """A subclass of the TRL ``SFTTrainer`` class ``trainer_cls`` (packing on) whose batches take
-    ``path``: with ``collator``, its collator makes one row per bin for the binned paths (TRL's own makes
-    one row for the others; without, the trainer's collator packs), and the model attends with the path's
-    kernel while it trains."""
+    ``path``: with ``collator``, its collator makes one row per bin for the binned paths; given a
+    ``width``, every batch is the same shape, a batch's rows of ``width`` positions each (TRL's own makes
+    one row for the other paths; without ``collator``, the trainer's collator packs). The model attends
+    with the path's kernel while it trains."""
     class PackedAttention(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             if path in BINNED and collator:
-                self.data_collator = BinnedBatches(self.data_collator.pad_token_id)
+                rows = self.args.per_device_train_batch_size if width else None
+                self.data_collator = BinnedBatches(self.data_collator.pad_token_id, width, rows)
 
         def train(self, *args, **kwargs):
             with attention_for(self.model, path):

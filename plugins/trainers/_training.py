@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from ftcore.component import Options
 from ftcore.types import LearningRate, Tokens
 
+from ftcore_plugins.common.device_defaults import training_device
 from ftcore_plugins.common.memory import gpu_visible
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
 from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
@@ -172,7 +173,7 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         lr_scheduler_type=scheduler,
         warmup_steps=o.warmup_steps or o.warmup_ratio,  # a float below 1 is a ratio of the total steps
         weight_decay=o.weight_decay,
-        **optimizer_arguments(o.optimizer, "cuda" if torch.cuda.is_available() else "cpu"),
+        **optimizer_arguments(o.optimizer, training_device()),
         max_grad_norm=o.max_grad_norm,
         **checkpointing_arguments(o),
         bf16=precision == "bf16",

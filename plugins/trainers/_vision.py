@@ -160,6 +160,7 @@ class PackedImageRows(VisionCollator):
         super().__init__(encoder)
         self.rows, self.rope = rows, rope
         self.binned = False  # set from the stage's packed-attention path
+        self.width: int | None = None  # binned rows padded to this many positions (flex), else to the longest
 
     def __call__(self, examples: list[dict]) -> dict[str, Any]:
         import torch
@@ -173,7 +174,8 @@ class PackedImageRows(VisionCollator):
         batch = super().__call__(flat)
         lengths = batch.pop("attention_mask").sum(1).tolist()
         per_token = [k for k in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids") if k in batch]
-        width = max(sum(lengths[k] for k in range(start, start + len(g))) for start, g in _starts(groups))
+        width = max(self.width or 0, *(sum(lengths[k] for k in range(start, start + len(g)))
+                                       for start, g in _starts(groups)))
         fill = {"input_ids": self.encoder.tokenizer.pad_token_id or 0, "labels": IGNORE}
         out = {k: torch.full((len(groups), width), fill.get(k, 0), dtype=batch[k].dtype) for k in per_token}
         text = torch.zeros((len(groups), width), dtype=torch.long)

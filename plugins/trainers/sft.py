@@ -20,8 +20,9 @@ from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.common.prepare import data_origin, is_stream
 from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
-from ftcore_plugins.common.device_defaults import device_type, model_device
-from ftcore_plugins.trainers._packing import BINNED, PACKED_PATHS, choose_path, path_problem, with_packed_attention
+from ftcore_plugins.common.device_defaults import defaults, device_type, optimizer_for, training_device
+from ftcore_plugins.trainers._packing import BINNED, PACKED_PATHS, choose_path, fixed_width, passed_over, \
+    path_problem, with_packed_attention
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 from ftcore_plugins.trainers._vision import image_rows, save_processor, vision_splits, vision_trl
 
@@ -64,28 +65,28 @@ class SFT(TrainChecks, TrainerMemory, Component):
         self.collator = None  # set by prepare_data for rows with images (trainers/_vision.py)
         train, evaluation = self.prepare_data(ctx)
         trainer_cls = self.trainer_class(ctx)
-        if self.compute_loss is not None:
-            trainer_cls = with_loss(trainer_cls, self.compute_loss)
-            ctx.reporter.log(ctx.stage, {"loss_kernel": "compute_loss"}, step=0)  # the subclass's own
-        else:
-            kernel = resolve_kernel(self.options.loss_kernel, ctx.model, sharded=sharded_head(ctx.run),
-                                    liger=self.options.liger)
-            ctx.reporter.log(ctx.stage, {"loss_kernel": kernel}, step=0)
-            if kernel in ("chunked", "liger"):
-                trainer_cls = with_chunked_loss(trainer_cls, entropy=self.options.log_entropy,
-                                                liger=kernel == "liger", chunk=self.loss_chunk_elements)
-            elif kernel == "full":
-                trainer_cls = with_loss(trainer_cls, full_cross_entropy, entropy=self.options.log_entropy)
         o = self.options
         # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
         config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
-        # Packed batches of samples (not pretrain's wrapped blocks, which have no sample boundaries).
-        if config.get("packing") and config.get("packing_strategy") != "wrapped":
-            path = choose_path(getattr(o, "packed_attention", "auto"), ctx.model, model_device(ctx.model))
-            ctx.reporter.log(ctx.stage, {"packed_attention": path}, step=0)
+        chosen = self.device_choices(ctx, training_device(), config)
+        ctx.reporter.log(ctx.stage, {k: v for k, v in chosen.items() if k in ("loss_kernel", "packed_attention")
+                                     and v is not None}, step=0)
+        if chosen.get("packed_attention_note"):
+            ctx.reporter.info(f"stage {ctx.stage}: packed_attention {chosen['packed_attention']}: "
+                              f"{chosen['packed_attention_note']}")
+        kernel = chosen["loss_kernel"]
+        if self.compute_loss is not None:
+            trainer_cls = with_loss(trainer_cls, self.compute_loss)
+        elif kernel in ("chunked", "liger"):
+            trainer_cls = with_chunked_loss(trainer_cls, entropy=o.log_entropy, liger=kernel == "liger",
+                                            chunk=chosen["loss_chunk_elements"])
+        elif kernel == "full":
+            trainer_cls = with_loss(trainer_cls, full_cross_entropy, entropy=o.log_entropy)
+        if (path := chosen["packed_attention"]) is not None:
+            width = chosen["packed_width"]
             if self.collator is not None:  # rows with images: their collator packs (trainers/_vision.py)
-                self.collator.binned = path in BINNED
-            trainer_cls = with_packed_attention(trainer_cls, path, collator=self.collator is None)
+                self.collator.binned, self.collator.width = path in BINNED, width
+            trainer_cls = with_packed_attention(trainer_cls, path, collator=self.collator is None, width=width)
         extra: dict[str, Any] = {}
         if self.collator is not None:
             vision_config, extra = vision_trl(self.collator)
@@ -94,6 +95,34 @@ class SFT(TrainChecks, TrainerMemory, Component):
         if self.collator is not None:
             save_processor(ctx, self.collator.encoder.processor)
         return metrics
+
+    def device_choices(self, ctx: Any, device: str, config: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What the stage runs when it trains on ``device`` (``"cuda"``, ``"cpu"``: the device the Trainer
+        will put the model on, never where the loaded model sits now), each ``auto`` option resolved from
+        that device's defaults (``common/device_defaults.py``): ``loss_kernel`` (``compute_loss`` for a
+        subclass's own), ``loss_chunk_elements``, ``optimizer``, ``packed_attention`` (None unless
+        samples are packed into bins), ``packed_attention_note`` (why the device's first path was passed
+        over, or None) and ``packed_width`` (the fixed width of a binned batch's rows, or None)."""
+        o = self.options
+        config = self.trl_config(ctx) if config is None else config
+        if self.compute_loss is not None:
+            kernel = "compute_loss"
+        else:
+            kernel = resolve_kernel(o.loss_kernel, ctx.model, device=device, sharded=sharded_head(ctx.run),
+                                    liger=o.liger)
+        chosen: dict[str, Any] = {
+            "loss_kernel": kernel,
+            "loss_chunk_elements": self.loss_chunk_elements or defaults(device).loss_chunk_elements,
+            "optimizer": optimizer_for(o.optimizer, device),
+            "packed_attention": None, "packed_attention_note": None, "packed_width": None}
+        # Packed batches of samples (not pretrain's wrapped blocks, which have no sample boundaries).
+        if config.get("packing") and config.get("packing_strategy") != "wrapped":
+            option = getattr(o, "packed_attention", "auto")
+            path = choose_path(option, ctx.model, device)
+            chosen["packed_attention"] = path
+            chosen["packed_attention_note"] = passed_over(option, ctx.model, device, path)
+            chosen["packed_width"] = fixed_width(path, o.max_length)
+        return chosen
 
     # -- override points ---------------------------------------------------------------------
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:

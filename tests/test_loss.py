@@ -96,6 +96,40 @@ def _compare(model, batch, trainable):
     assert "forward" not in (model.get_base_model() if hasattr(model, "get_base_model") else model).__dict__
 
 
+def _autocast_against_fp32(device: str):
+    """The chunked loss's gradients under bf16 autocast (the head's products in bf16, summed in fp32) against
+    fp32's, within bf16's precision."""
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(300, 64, generator=g) * 0.5).to(device)
+    weight = (torch.randn(1000, 64, generator=g) * 0.1).to(device)
+    targets = torch.randint(0, 1000, (300,), generator=g).to(device)
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            nll, _, _ = chunked_cross_entropy(h, w, None, targets, chunk_elements=64 * 1000)  # 5 chunks
+        nll.backward()
+        grads[precision] = (nll.item(), h.grad, w.grad)
+    (loss, grad_h, grad_w), (loss16, grad_h16, grad_w16) = grads["fp32"], grads["bf16"]
+    assert grad_w16.dtype == grad_h16.dtype == torch.float32  # the parameters' dtype, summed in fp32
+    assert loss16 == pytest.approx(loss, rel=1e-2)
+    for got, want in ((grad_w16, grad_w), (grad_h16, grad_h)):
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_the_head_gradient_is_computed_in_the_models_precision():
+    _autocast_against_fp32("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's fp32-output product needs a GPU")
+def test_the_head_gradient_is_one_bf16_product_with_fp32_output_on_a_gpu():
+    from ftcore_plugins.trainers import _loss
+
+    _autocast_against_fp32("cuda")
+    assert _loss._FP32_OUT.get("cuda", True), "torch refused addmm(out_dtype=float32): the slower fallback ran"
+
+
 def test_full_fine_tuning_matches_with_tied_embeddings():
     model = _llama(tie_word_embeddings=True)
     _compare(model, _batch(), [p for p in model.parameters()])

@@ -222,3 +222,8 @@ def test_liger_loss_wiring_with_a_stand_in(tmp_path, monkeypatch):
     assert calls and calls[0][0][0] == (labels[:, 1:] != -100).sum().item()
     assert out.loss.item() == pytest.approx(reference.loss.item(), rel=1e-6)
     assert out.correct.item() == reference.correct.item()
+    # A batch with no trained position: Liger's accuracy divides by their count (NaN, as the stand-in's mean
+    # of nothing); the chunked loss takes it, so the loss is 0 and nothing is counted correct.
+    calls.clear()
+    empty = tiny.model(input_ids=ids, labels=torch.full_like(ids, -100), chunked_loss=True)
+    assert not calls and empty.loss.item() == 0 and empty.correct.item() == 0 and empty.tokens.item() == 0

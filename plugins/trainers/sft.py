@@ -69,8 +69,8 @@ class SFT(TrainChecks, TrainerMemory, Component):
         # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
         config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
         chosen = self.device_choices(ctx, training_device(), config)
-        ctx.reporter.log(ctx.stage, {k: v for k, v in chosen.items() if k in ("loss_kernel", "packed_attention")
-                                     and v is not None}, step=0)
+        ctx.reporter.log(ctx.stage, {k: v for k, v in chosen.items()
+                                     if k in ("loss_kernel", "packed_attention", "optimizer") and v is not None}, step=0)
         if chosen.get("packed_attention_note"):
             ctx.reporter.info(f"stage {ctx.stage}: packed_attention {chosen['packed_attention']}: "
                               f"{chosen['packed_attention_note']}")

@@ -4,12 +4,14 @@ Trainer (the same instrument in every arm), ftcore runs in-process, and the mach
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "fixtures"
@@ -147,6 +149,100 @@ def run_ftcore(plan_path: Path) -> dict[str, Any]:
     plan = load_plan(str(plan_path), pm.registry())
     with open(os.devnull, "w") as sink, quiet():
         return Runner(plan, pm, Console(file=sink, force_terminal=True, width=120)).run()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def in_child(work: Callable[[], dict], out: Path, limit: float | None,
+             started: Callable[[int], None]) -> tuple[dict, int, float]:
+    """``work()`` in a forked child process, which writes the dict it returns (or ``{"error": ...}``, the
+    exception it raised) to ``out`` as JSON and exits; killed after ``limit`` seconds. ``started(pid)`` is
+    called once it runs. Returns (result, pid, seconds from the fork to its exit); the result is
+    ``{"error": ...}`` too where the child crashed, was killed, or timed out. The GPU benchmarks run each
+    arm so: no patch (Liger's), compiled graph or CUDA memory of one arm reaches the next."""
+    import gc
+    import signal
+    import sys
+
+    import torch
+
+    # CUDA is only ever touched in the children: a fork of a process that has initialised it cannot use it.
+    assert not torch.cuda.is_initialized(), "CUDA was initialised in the benchmark's own process"
+    out.unlink(missing_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()  # else the child would write out what this process had buffered again
+    gc.collect()
+    gc.freeze()  # the child's collections then leave this process's objects be: no copy of the whole heap
+    parent, begin = os.getpid(), time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(work, out, parent)
+    gc.unfreeze()
+    try:
+        started(pid)
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if limit is not None and time.monotonic() - begin > limit:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                seconds = time.monotonic() - begin
+                return {"error": f"timed out after {seconds:.0f} s (killed at its limit)"}, pid, seconds
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C, or the parent's own failure: the child does not outlive it
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise
+    seconds, code = time.monotonic() - begin, os.waitstatus_to_exitcode(status)
+    if code == 0 and out.exists():
+        return json.loads(out.read_text()), pid, seconds
+    if code < 0:
+        why = f"was killed by {signal.Signals(-code).name}" + \
+            (" (the kernel's OOM killer?)" if -code == signal.SIGKILL else "")
+    else:
+        why = f"exited with status {code}" + ("" if out.exists() else " before writing its result")
+    return {"error": f"its process {pid} {why}"}, pid, seconds
+
+
+def _child(work: Callable[[], dict], out: Path, parent: int) -> NoReturn:
+    """The forked child's whole life: ``work()``, its result written to ``out``, and ``os._exit`` (not
+    ``sys.exit``: the atexit handlers, the scratch folder's removal among them, are the parent's)."""
+    import ctypes
+    import signal
+    import sys
+    import traceback
+
+    code = 1
+    try:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: a killed benchmark leaves no child running
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == parent:  # else the parent died before the prctl
+            try:
+                result = work()
+            except BaseException as exc:  # noqa: BLE001 (the child's error, for the parent to record)
+                result = {"error": error_text(exc)}
+            part = out.with_name(out.name + ".part")
+            part.write_text(json.dumps(result))
+            part.replace(out)
+            code = 0
+    except BaseException:  # noqa: BLE001 (the result could not be written: the exit status says so)
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception in one line or a few, at most 600 characters."""
+    import traceback
+
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    return text if len(text) <= 600 else text[:600] + " ..."
 
 
 @contextlib.contextmanager

@@ -273,3 +273,25 @@ def test_the_kernel_stays_under_its_line_budget():
     biggest = ", ".join(f"{name} {n}" for name, n in sorted(sizes.items(), key=lambda kv: -kv[1])[:4])
     assert total <= KERNEL_LINES, (f"ftcore/ (without {', '.join(sorted(NOT_KERNEL))}) has {total} lines, over "
                                    f"{KERNEL_LINES:,} ({biggest}, ...): move a feature into plugins/ behind a hook")
+
+
+def test_every_cuda_only_test_carries_the_gpu_marker():
+    """``pytest -m gpu`` (what benchmarks/gpu_smoke.py runs on a lent GPU) reaches every test that skips without
+    CUDA: each test skipped on ``not torch.cuda.is_available()`` is marked ``gpu``, and the smoke check finds
+    the files that have such tests."""
+    import ast
+
+    unmarked, marked = [], 0
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test"):
+                continue
+            decorators = [ast.unparse(d) for d in node.decorator_list]
+            cuda_only = any(d.startswith("pytest.mark.skipif(not torch.cuda.is_available()") for d in decorators)
+            gpu = "pytest.mark.gpu" in decorators
+            marked += gpu
+            if cuda_only and not gpu:
+                unmarked.append(f"{path.name}::{node.name}")
+    assert not unmarked, f"CUDA-only tests without @pytest.mark.gpu: {unmarked}"
+    assert marked >= 2

@@ -154,13 +154,15 @@ def run_ftcore(plan_path: Path) -> dict[str, Any]:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def in_child(work: Callable[[], dict], out: Path, limit: float | None,
-             started: Callable[[int], None]) -> tuple[dict, int, float]:
+def in_child(work: Callable[[], dict], out: Path, limit: float | None, started: Callable[[int], None], *,
+             limit_name: str = "its time limit") -> tuple[dict, int, float]:
     """``work()`` in a forked child process, which writes the dict it returns (or ``{"error": ...}``, the
-    exception it raised) to ``out`` as JSON and exits; killed after ``limit`` seconds. ``started(pid)`` is
-    called once it runs. Returns (result, pid, seconds from the fork to its exit); the result is
-    ``{"error": ...}`` too where the child crashed, was killed, or timed out. The GPU benchmarks run each
-    arm so: no patch (Liger's), compiled graph or CUDA memory of one arm reaches the next."""
+    exception it raised) to ``out`` as JSON and exits; killed after ``limit`` seconds (``limit_name`` says
+    what that limit is, in the error). ``started(pid)`` is called once it runs. Returns (result, pid,
+    seconds from the fork to its exit); the result is ``{"error": ...}`` too where the child crashed, was
+    killed, or timed out. The GPU benchmarks run each arm so: no patch (Liger's), compiled graph or CUDA
+    memory of one arm reaches the next. A child still running when this process dies is killed with it
+    (``PR_SET_PDEATHSIG``)."""
     import gc
     import signal
     import sys
@@ -189,7 +191,7 @@ def in_child(work: Callable[[], dict], out: Path, limit: float | None,
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 seconds = time.monotonic() - begin
-                return {"error": f"timed out after {seconds:.0f} s (killed at its limit)"}, pid, seconds
+                return {"error": f"timed out after {seconds:.0f} s (killed at {limit_name})"}, pid, seconds
             time.sleep(0.05)
     except BaseException:  # Ctrl-C, or the parent's own failure: the child does not outlive it
         with contextlib.suppress(OSError):
@@ -235,6 +237,45 @@ def _child(work: Callable[[], dict], out: Path, parent: int) -> NoReturn:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+# What every forked arm imports, imported once in the parent before the first fork (:func:`preload`). On a GPU
+# only as far as a probe child finds them to leave CUDA uninitialised (:func:`probe`): bitsandbytes' import
+# reads the devices' compute capabilities, which initialises CUDA, and peft imports it, transformers' Trainer
+# peft; there each arm imports the rest itself.
+PRELOAD = ("datasets", "rich.progress", "matplotlib.pyplot", "scipy.io", "scipy.stats", "deepspeed", "peft",
+           "transformers.trainer", "transformers.models.llama.modeling_llama", "trl.trainer.sft_trainer",
+           "ftcore.runner", "ftcore_plugins.trainers.sft")
+
+
+def preload(names: tuple[str, ...]) -> None:
+    """The modules every arm imports, imported once, here, before the first fork, so that no arm pays for
+    them (those that are not installed left out); what an import prints, as in an arm, not shown."""
+    import importlib
+
+    from ftcore.plugins import get_plugin_manager
+
+    get_plugin_manager()  # imports no torch
+    for name in names:
+        with contextlib.suppress(Exception), quiet():  # an arm that needs a module that failed fails itself
+            importlib.import_module(name)
+
+
+def probe(names: tuple[str, ...]) -> dict:
+    """In a child, on a GPU: its name, and how many of ``names``, imported in order, leave CUDA
+    uninitialised (``preload``): the parent may import those, not the rest."""
+    import importlib
+
+    import torch
+
+    safe = len(names)
+    for i, name in enumerate(names):
+        with contextlib.suppress(Exception), quiet():
+            importlib.import_module(name)
+        if torch.cuda.is_initialized():
+            safe = i
+            break
+    return {"device": torch.cuda.get_device_name(), "preload": safe}
 
 
 def error_text(exc: BaseException) -> str:

@@ -51,7 +51,7 @@ from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import ROOT, SHARED, in_child, machine, quiet, run_ftcore  # noqa: E402
+from _bench import PRELOAD, ROOT, SHARED, in_child, machine, preload, probe, quiet, run_ftcore  # noqa: E402
 
 STEPS = 5
 CONFIG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -363,16 +363,14 @@ def main() -> None:
     atexit.register(shutil.rmtree, scratch, ignore_errors=True)
     os.environ.setdefault("FTCORE_CACHE_DIR", str(scratch / "cache"))
     checks = Checks(args.jsonl)
-    print(f"gpu_smoke: {'a GPU' if gpu else 'no GPU (the CUDA checks are skipped)'}; machine {machine()}; "
-          f"this process {os.getpid()}, each check in a fork of its own; scratch {scratch}", flush=True)
-    # The libraries every check uses, imported once before the first fork.
-    import peft  # noqa: F401
-    import transformers  # noqa: F401
-    import trl  # noqa: F401
-
-    from ftcore.plugins import get_plugin_manager
-
-    get_plugin_manager()
+    device, preloaded = "no GPU (the CUDA checks are skipped)", PRELOAD
+    if gpu:  # its name, and what this process may import without initialising CUDA, from a child of its own
+        found, _, _ = in_child(lambda: probe(PRELOAD), scratch / "probe.json", 300, lambda pid: None)
+        device = found.get("device") or f"a CUDA device (its name unread: {found.get('error')})"
+        preloaded = PRELOAD[:found.get("preload", 0)]
+    print(f"gpu_smoke: {device}; machine {machine()}; this process {os.getpid()}, each check in a fork of its "
+          f"own; scratch {scratch}", flush=True)
+    preload(preloaded)  # the libraries every check uses, imported once before the first fork
     no_gpu = "no GPU"
     from ftcore_plugins.common.device_defaults import triton_problem
 

@@ -11,9 +11,25 @@ Runs (GPU): LoRA and QLoRA (nf4) of Llama-3-8B at sequence lengths 2048 and 8192
 fine-tuning of a Llama-3.2-1B-shaped model at 2048 (the default set); LoRA and QLoRA of the 1B
 model at 2048 by name (``--runs``). Each architecture's random-init model is saved once (bf16 on a
 GPU) with a tokenizer (Llama 3's from ../shared/fixtures when there, else a BPE trained here) and
-kept until its last arm; every arm of a run trains it in this process on the same synthetic rows
-(chat rows of repeated words, lengths log-normal with median max_length/4, capped at max_length:
-real lengths, not full-length rows). The arms:
+kept until its last arm; every arm of a run trains it on the same synthetic rows (chat rows of
+repeated words, lengths log-normal with median max_length/4, capped at max_length: real lengths,
+not full-length rows).
+
+Each arm, and each model build, runs in a process of its own: a fork of this one, which never
+initialises CUDA (it tells whether there is a GPU through NVML; a probe child reads the device's
+name) and imported the libraries every arm uses once (``PRELOAD``: torch, transformers' Trainer,
+trl, peft, deepspeed, ftcore's runner and plugins). On a GPU it imports only as many of them as the
+probe child found to leave CUDA uninitialised: bitsandbytes' import reads the devices' compute
+capabilities, and peft imports bitsandbytes, and transformers' Trainer peft, so there each arm
+imports those itself (seconds, in every arm's fixed part). So what one arm changes for the whole
+process (Liger's patches of the Llama modules, torch.compile's and dynamo's caches, CUDA's
+allocator and peak statistics) ends with it, and no arm measures another's leftovers. A child
+sends its result back in a JSON file in the scratch folder; one that crashes (an exception, a
+non-zero exit, a signal: the kernel's OOM killer) is that arm's ``error``, and the next arm goes
+on; one still running when this process dies is killed with it (``PR_SET_PDEATHSIG``). Each arm's
+line carries its process id (``pid``).
+
+The arms:
 
 * ``baseline``: ``SFTTrainer(model, args=SFTConfig(...), peft_config=LoraConfig(...))`` with TRL's
   defaults (bf16, gradient checkpointing, padded batches) and only what must be equal set: batch
@@ -29,30 +45,55 @@ real lengths, not full-length rows). The arms:
   GPU measures them all: ``--options all``.
 
 ``--quick``: 1b-lora-2048, 1b-qlora-2048, 1b-full-2048 and 8b-qlora-2048, 11 steps per arm (8
-timed), the arms baseline, baseline-packed, ftcore, ftcore+liger, ftcore+flex (ftcore+varlen where
-flash_attn is installed) and ftcore+unpacked (8B QLoRA: the first three only), and a deadline of
-450 s. The work is ordered by importance: baseline and ftcore of every run first, then
-baseline-packed of every run, then the option arms (``--options`` replaces the quick option arms;
-``--runs`` its runs). ``--tiny --quick`` is the same structure on tiny models (a 2-layer one for the
-1B runs, a 4-layer one for the 8B run) on a CPU, where the CUDA arms are written as skipped.
+timed), the arms baseline, baseline-packed, ftcore, ftcore+liger, ftcore+sdpa-block (ftcore+flex
+where flash_attn is installed) and ftcore+unpacked (8B QLoRA: the first three only), and a deadline
+of 450 s. The attention arm is the packed-attention path ftcore does not take by default on CUDA:
+its default is the first of varlen (flash_attn installed), flex, sdpa_block
+(``ftcore_plugins.common.device_defaults.CUDA``), so without flash_attn the ftcore arm already
+measures flex and sdpa-block is the alternative; with it, ftcore measures varlen and flex is. The
+work is ordered by importance: baseline and ftcore of every run first, then baseline-packed of every
+run, then the option arms (``--options`` replaces the quick option arms; ``--runs`` its runs).
+``--tiny --quick`` is the same structure on tiny models (a 2-layer one for the 1B runs, a 4-layer
+one for the 8B run) on a CPU, where the CUDA arms are written as skipped.
 
-Deadline (``--deadline-s``, counted from the script's start): an arm, or a model build, is not
-started when its estimate would end past it; it is written as skipped with the estimate. Estimates
-come from this process's own timings: an arm, from the slowest arm measured so far in the same run,
-else in another run of the same architecture, else the slowest arm so far scaled by the ratio of the
-architectures' parameters; a build, from a build so far scaled the same way; with nothing measured
-yet, the work is started.
+Deadline (``--deadline-s``, counted from the script's start). Each arm has a budget, the seconds it
+is expected to take, from its own size:
+
+    budget = fixed + weight bytes / LOAD_BYTES_PER_S (1 GB/s)
+             + steps x batch size x max_length x FLOPs per token / rate
+
+FLOPs per token as for MFU below (6N full, 4N + 2N_trainable LoRA and QLoRA, from the
+architecture); weight bytes: the parameters at 2 bytes (bf16, GPU) or 4 (fp32, CPU), read back,
+moved to the device and quantized; rate: on a GPU ``ASSUMED_MFU`` (35%) of its dense bf16 peak
+(``UNKNOWN_GPU_FLOPS`` where that is unknown; a small model's measured rate is held down by costs
+that do not grow with the model, kernel compiles and launches, so it is not scaled up); on a CPU
+the lowest rate measured so far (the arm's method first: training FLOPs over ``train_seconds``),
+else ``CPU_FLOPS``; fixed: the largest residual of the arms measured so far (an arm's seconds less
+its load and training terms: process, imports, CUDA context, stage setup, data preparation, JIT),
+else ``FIXED_S``. Once an arm of the same run has been measured, the budget is instead the slowest
+such arm's seconds. A model build's budget is ``BUILD_FIXED_S`` (or the largest measured residual
+of a build) + weight bytes / ``SAVE_BYTES_PER_S`` (0.5 GB/s). Before an arm starts: if the time
+gone + its budget (+ its model's build, when not built yet) would pass the deadline, it is written
+as skipped (``deadline: ...``, with ``estimate_s`` and ``estimate_from``, how it was made) and
+never started; only such arms are "skipped" for the deadline. An arm (or build) that started is
+killed at the deadline, not at a multiple of its budget (a budget is a guess; an arm over it that
+ends in time is still a measurement), and is then written as an error, ``timed out after N s``.
+Without a deadline nothing is killed.
 
 JSON lines (``--jsonl``, default a new file in the temp folder; its path is printed first), each
 flushed when written, each with ``event`` and ``t`` (seconds since the start):
 
-* ``start``: device, machine, argv, steps, warm-up, deadline, the schedule ([run, arm] in order), and
+* ``start``: device, machine, argv, ``pid`` (this process's), steps, warm-up, deadline, the
+  ``schedule`` ([run, arm, budget_s] in order: each arm's a-priori budget, nothing measured yet, its
+  model's build not included), ``build_budgets_s`` (architecture: a-priori budget of its build), and
   ``scratch``: the temporary folder of the models and runs, removed at exit (a killed run leaves it).
-* ``build``: an architecture's model built and saved (``seconds``), or its ``error``.
+* ``build``: an architecture's model built and saved (``seconds``), or its ``error``; ``pid``, ``budget_s``.
 * ``prepare``: a run's rows and token ids (``seconds``).
-* ``arm``: ``run``, ``arm``, and either the measurements (below) or ``skipped`` (the reason;
-  ``estimate_s`` and ``estimate_from`` for a deadline) or ``error`` (the exception, e.g. an OOM:
-  the script goes on to the next arm; CUDA memory is freed between arms).
+* ``arm``: ``run``, ``arm``, ``budget_s`` and ``budget_from`` (its budget when it was reached, and
+  how it was made), and either the measurements (below) and ``pid``, or ``skipped`` (the reason;
+  ``estimate_s`` and ``estimate_from`` for a deadline: no process was started), or ``error`` and
+  ``pid`` (the exception in the arm's process, e.g. an OOM, or its exit status or signal, or
+  ``timed out after N s``: the script goes on to the next arm).
 * ``pair``: as soon as an arm and the baseline arm that saw the same real tokens per step are both
   measured: ``arm``, ``reference`` (``baseline-packed`` for packed arms, ``baseline`` for the
   unpacked ones), ``x_memory`` (peak against the reference's), ``same_tokens_per_step`` (every
@@ -60,16 +101,18 @@ flushed when written, each with ``event`` and ``t`` (seconds since the start):
   reference's), ``x_tokens_per_s`` (against ``baseline``), ``max_loss_diff`` (per step).
 * ``end``: ``seconds`` in all.
 
-Measured per arm: real (non-padding) tokens/s over the timed steps (a callback counts the tokens
-each forward saw), peak memory (``torch.cuda.max_memory_allocated``; on CPU the process's peak RSS
-from ``ftcore.memory``), MFU = FLOPs/s / peak, with FLOPs per token 4*N + 2*N_trainable (LoRA,
-QLoRA) or 6*N (full), N = the parameters used in matmuls (all but the input embedding, the LM head
-counted once), attention FLOPs left out, peak = the GPU's dense bf16 peak (``--peak-tflops``; MFU
-is "n/a" on CPU unless given, and the table says so); ``seconds`` (the whole arm: model load,
-preparation, training), ``train_seconds``, and for ftcore arms ``chosen``: the paths the stage chose
-for itself (``packed_attention``, ``loss_kernel``, as its metrics log them; shown beside the arm's
-name: on a GPU ftcore's defaults may already be an option arm's path). Packed bins padded to one row
-each (flex, sdpa_block) count their padding as positions, not real tokens.
+Measured per arm, in its own process: real (non-padding) tokens/s over the timed steps (a callback
+counts the tokens each forward saw), peak memory (``torch.cuda.max_memory_allocated``; on CPU the
+arm's process's own peak RSS from ``ftcore.memory``, its high-water mark reset as the arm starts;
+the libraries' pages it shares with this process count in it, as in every arm), MFU = FLOPs/s /
+peak, with FLOPs per token 4*N + 2*N_trainable (LoRA, QLoRA) or 6*N (full), N = the parameters used
+in matmuls (all but the input embedding, the LM head counted once), attention FLOPs left out, peak =
+the GPU's dense bf16 peak (``--peak-tflops``; MFU is "n/a" on CPU unless given, and the table says
+so); ``seconds`` (the whole arm, from the fork to its process's exit: model load, preparation,
+training), ``train_seconds``, and for ftcore arms ``chosen``: the paths the stage chose for itself
+(``packed_attention``, ``loss_kernel``, as its metrics log them; shown beside the arm's name: on a
+GPU ftcore's defaults may already be an option arm's path). Packed bins padded to one row each
+(flex, sdpa_block) count their padding as positions, not real tokens.
 
 At the end, the table (stdout; ``--append-results`` appends it to benchmarks/RESULTS.md, the only
 file written in the repository): tokens/s against HF+TRL defaults (``baseline``, what a user would
@@ -98,13 +141,14 @@ import random  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import ROOT, SHARED, StepRecorder, machine, quiet, run_ftcore  # noqa: E402
+import _bench  # noqa: E402
+from _bench import PRELOAD, ROOT, SHARED, error_text, in_child, machine, preload, probe, quiet, \
+    run_ftcore  # noqa: E402
 
 ARCHITECTURES = {  # transformers LlamaConfig fields
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -137,6 +181,14 @@ QUICK = [("1b-lora-2048", "tiny-lora-128", True), ("1b-qlora-2048", "tiny-qlora-
          ("1b-full-2048", "tiny-full-128", True), ("8b-qlora-2048", "tiny4-qlora-128", False)]
 QUICK_STEPS, QUICK_WARMUP, QUICK_DEADLINE_S = 11, 2, 450.0  # 8 timed steps (the last step is not timed)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}  # dense bf16
+# Budgets (the docstring's Deadline): what is assumed until this process has measured better.
+ASSUMED_MFU = 0.35  # of the GPU's dense bf16 peak: training FLOPs (gradient checkpointing's recompute not counted)
+UNKNOWN_GPU_FLOPS = 35e12  # achieved, on a GPU not in PEAK_TFLOPS without --peak-tflops (35% of ~100 TFLOP/s)
+CPU_FLOPS = 1e9  # achieved fp32 FLOP/s on a CPU before an arm has been measured (tiny models: mostly overhead)
+FIXED_S = {True: 30.0, False: 10.0}  # GPU, CPU: an arm's process, CUDA context, stage setup, data, first JIT
+BUILD_FIXED_S = {True: 20.0, False: 10.0}  # a build's process, tokenizer, random init
+LOAD_BYTES_PER_S = 1e9  # weights read back from the page cache, moved to the device, quantized (QLoRA)
+SAVE_BYTES_PER_S = 0.5e9  # a build's weights written (the 8B save took 22 s on an H200: 0.73 GB/s)
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0)
 LEARNING_RATE = 2e-4
 BASELINES = ("baseline", "baseline-packed")
@@ -243,12 +295,31 @@ def unavailable(arm: str, gpu: bool) -> str | None:
     return None
 
 
-def parameters(arch: str) -> int:
-    """The architecture's parameter count (for scaling time estimates between architectures)."""
+def parameters(arch: str, *, matmul: bool = False) -> int:
+    """The architecture's parameter count (its weights' bytes, for budgets); ``matmul``: those used in
+    matmuls, as ``matmul_params`` counts a loaded model (the input embedding left out, a tied LM head
+    counted once). Norms left out."""
     c = ARCHITECTURES[arch]
     h, kv = c["hidden_size"], c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
     layer = h * (2 * h + 2 * kv) + 3 * h * c["intermediate_size"]
-    return c["num_hidden_layers"] * layer + c["vocab_size"] * h * (1 if c["tie_word_embeddings"] else 2)
+    embeddings = 1 if c["tie_word_embeddings"] or matmul else 2
+    return c["num_hidden_layers"] * layer + c["vocab_size"] * h * embeddings
+
+
+def trainable_parameters(arch: str, method: str) -> int:
+    """What trains: every weight (full), else LoRA's A and B (rank ``LORA["r"]``) on each linear layer of
+    the blocks: q and o (h to h), k and v (h to kv), gate, up and down (h and the MLP's width)."""
+    if method == "full":
+        return parameters(arch)
+    c = ARCHITECTURES[arch]
+    h, kv = c["hidden_size"], c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * LORA["r"] * (9 * h + 2 * kv + 3 * c["intermediate_size"])
+
+
+def flops_per_token(arch: str, method: str) -> int:
+    """Training FLOPs per position, as MFU counts them: 6N (full), 4N + 2N_trainable (LoRA, QLoRA)."""
+    n = parameters(arch, matmul=True)
+    return 6 * n if method == "full" else 4 * n + 2 * trainable_parameters(arch, method)
 
 
 def synthetic_rows(n: int, max_length: int, seed: int = 0) -> list[dict]:
@@ -314,15 +385,15 @@ def matmul_params(model) -> int:
     return total
 
 
-def free_memory() -> None:
-    """The previous arm's model and optimizer gone, its cached CUDA blocks returned, the peaks reset."""
+def reset_peaks() -> None:
+    """This process's peaks from here: CUDA's statistics, and the RSS high-water mark (a fork starts
+    with its own on Linux; reset anyway, so that an arm's peak is its own on any kernel)."""
     import torch
 
     from ftcore import memory
 
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     memory.reset_peak()
 
@@ -337,10 +408,10 @@ def peak_memory_gib() -> float:
     return memory.snapshot()["peak_rss_mib"] / 1024
 
 
-class ModelProbe(StepRecorder):
-    """StepRecorder that also keeps the trained model's parameter counts, and does not count the
+class ProbeCounts:
+    """What ModelProbe adds to _bench's StepRecorder: the trained model's parameter counts, and the
     padding of packed bins (``packed_attention`` flex and sdpa_block: one row per bin, right-padded,
-    no attention mask) as real tokens."""
+    no attention mask) not counted as real tokens."""
 
     pad_token_id: int | None = None  # the tokenizer's, set before each arm
 
@@ -355,6 +426,14 @@ class ModelProbe(StepRecorder):
         if (self.real and kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None
                 and self.pad_token_id is not None and ids is not None and labels is not None and ids.dim() == 2):
             self.real[-1] -= bin_padding(ids, labels, self.pad_token_id)
+
+
+def model_probe() -> Any:
+    """A ModelProbe (ProbeCounts on StepRecorder, a transformers callback), installed in every Trainer
+    built from now on. Made in the arm's process: transformers' callbacks import peft, and so
+    bitsandbytes, whose import initialises CUDA on a GPU, which this process must not."""
+    cls = type("ModelProbe", (ProbeCounts, _bench.StepRecorder), {"__doc__": ProbeCounts.__doc__})
+    return cls().install()
 
 
 def bin_padding(ids, labels, pad_token_id: int) -> int:
@@ -429,7 +508,7 @@ def resolved(metrics: Path) -> dict[str, str]:
     return chosen
 
 
-def measure(recorder: ModelProbe, warmup: int, method: str, peak_flops: float | None) -> dict:
+def measure(recorder: Any, warmup: int, method: str, peak_flops: float | None) -> dict:
     seconds = recorder.step_seconds(warmup)
     if not seconds:
         raise RuntimeError(f"{len(recorder.begins)} training steps recorded: none to time after {warmup} warm-up "
@@ -486,101 +565,194 @@ def say(text: str) -> None:
     print(f"[{time.monotonic() - START:6.1f}s] {text}", flush=True)
 
 
-class Clock:
-    """The deadline, and estimates of what is left from this process's own timings."""
+def secs(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 
-    def __init__(self, deadline: float | None, runs: dict[str, Run]):
-        self.deadline, self.runs = deadline, runs
-        self.arms: list[tuple[str, float]] = []  # (run, seconds) of every measured arm
-        self.builds: list[tuple[str, float]] = []  # (arch, seconds)
+
+def achieved_flops(run: Run, result: dict) -> float:
+    """A measured arm's training FLOP/s: every position it trained on, at ``flops_per_token``, over its
+    ``train_seconds`` (the first steps' JIT included)."""
+    return sum(result["positions_per_step"]) * flops_per_token(run.arch, run.method) / result["train_seconds"]
+
+
+class Clock:
+    """The deadline, and the budget of each arm and model build: the seconds it is expected to take, from
+    its own size and what this process measured so far (the docstring's Deadline gives the formula)."""
+
+    def __init__(self, deadline: float | None, runs: dict[str, Run], steps: int, gpu: bool,
+                 peak_flops: float | None):
+        self.deadline, self.runs, self.steps, self.gpu = deadline, runs, steps, gpu
+        self.peak_flops = peak_flops if gpu else None  # a CPU's rate is measured, not a share of a peak
+        self.arms: list[tuple[str, str, dict]] = []  # (run, arm, result) of every measured arm
+        self.builds: list[tuple[str, float]] = []  # (arch, seconds) of every model built
 
     @staticmethod
     def elapsed() -> float:
         return time.monotonic() - START
 
-    def estimate_arm(self, run: Run) -> tuple[float | None, str]:
-        same = [s for r, s in self.arms if r == run.name]
+    def weight_bytes(self, arch: str) -> int:
+        return parameters(arch) * (2 if self.gpu else 4)  # bf16 on a GPU, fp32 on a CPU
+
+    def training_flops(self, run: Run) -> float:
+        """Every step's rows full: steps x batch size x max_length positions."""
+        return self.steps * run.batch_size * run.max_length * flops_per_token(run.arch, run.method)
+
+    def rate(self, method: str) -> tuple[float, str]:
+        """Achieved training FLOP/s: on a GPU a share of its peak; on a CPU the lowest measured so far
+        (an arm of the same method first), else a constant."""
+        if not self.gpu:
+            for same in (True, False):
+                rates = [(achieved_flops(self.runs[name], r), f"{name} {arm}") for name, arm, r in self.arms
+                         if not same or self.runs[name].method == method]
+                if rates:
+                    rate, where = min(rates)
+                    return rate, f"measured, {where}"
+            return CPU_FLOPS, "assumed for a CPU"
+        if self.peak_flops:
+            return ASSUMED_MFU * self.peak_flops, f"assumed, {ASSUMED_MFU:.0%} of {self.peak_flops / 1e12:g} TFLOP/s"
+        return UNKNOWN_GPU_FLOPS, "assumed for a GPU of unknown peak"
+
+    def fixed(self) -> tuple[float, str]:
+        """What an arm takes besides loading and training: the largest residual measured so far (its
+        training term from the positions it did train on, at the rate a budget would use)."""
+        residuals = []
+        for name, arm, r in self.arms:
+            run = self.runs[name]
+            trained = sum(r["positions_per_step"]) * flops_per_token(run.arch, run.method)
+            predicted = self.weight_bytes(run.arch) / LOAD_BYTES_PER_S + trained / self.rate(run.method)[0]
+            residuals.append((r["seconds"] - predicted, f"{name} {arm}"))
+        if not residuals:
+            return FIXED_S[self.gpu], "assumed"
+        seconds, where = max(residuals)
+        return max(0.0, seconds), f"measured, {where}"
+
+    def arm_budget(self, run: Run) -> tuple[float, str]:
+        """An arm's budget of ``run``, and how it was made."""
+        same = [(r["seconds"], arm) for name, arm, r in self.arms if name == run.name]
         if same:
-            return max(same), f"the slowest arm of {run.name} so far"
-        arch = [s for r, s in self.arms if self.runs[r].arch == run.arch]
-        if arch:
-            return max(arch), f"the slowest {run.arch} arm so far"
-        return self._scaled([(self.runs[r].arch, s) for r, s in self.arms], run.arch, "arm")
+            seconds, arm = max(same)
+            return seconds, f"the slowest {run.name} arm so far, {arm}"
+        fixed, fixed_from = self.fixed()
+        weights = self.weight_bytes(run.arch)
+        load = weights / LOAD_BYTES_PER_S
+        rate, rate_from = self.rate(run.method)
+        train = self.training_flops(run) / rate
+        return fixed + load + train, (
+            f"fixed {secs(fixed)} ({fixed_from}) + load {secs(load)} ({weights / 1e9:.3g} GB at "
+            f"{LOAD_BYTES_PER_S / 1e9:g} GB/s) + training {secs(train)} ({self.steps} steps x {run.batch_size} x "
+            f"{run.max_length} positions x {flops_per_token(run.arch, run.method):.3g} FLOP at {rate:.3g} FLOP/s, "
+            f"{rate_from})")
 
-    def estimate_build(self, arch: str) -> tuple[float | None, str]:
-        return self._scaled(self.builds, arch, "model build")
+    def build_budget(self, arch: str) -> tuple[float, str]:
+        """A model build's budget, and how it was made."""
+        weights = self.weight_bytes(arch)
+        save = weights / SAVE_BYTES_PER_S
+        residuals = [(s - self.weight_bytes(a) / SAVE_BYTES_PER_S, a) for a, s in self.builds]
+        if residuals:
+            fixed, where = max(residuals)
+            fixed, fixed_from = max(0.0, fixed), f"measured, the {where} build"
+        else:
+            fixed, fixed_from = BUILD_FIXED_S[self.gpu], "assumed"
+        return fixed + save, (f"fixed {secs(fixed)} ({fixed_from}) + save {secs(save)} ({weights / 1e9:.3g} GB at "
+                              f"{SAVE_BYTES_PER_S / 1e9:g} GB/s)")
 
-    @staticmethod
-    def _scaled(timings: list[tuple[str, float]], arch: str, what: str) -> tuple[float | None, str]:
-        if not timings:
-            return None, f"no {what} measured yet"
-        seconds, other = max((s * parameters(arch) / parameters(a), a) for a, s in timings)
-        return seconds, f"the slowest {what} so far ({other}) x {parameters(arch) / parameters(other):.2f} parameters"
+    def late(self, seconds: float) -> bool:
+        """Whether work of ``seconds`` started now would end past the deadline."""
+        return self.deadline is not None and self.elapsed() + seconds > self.deadline
 
-    def late(self, estimate: float | None) -> bool:
-        if self.deadline is None:
-            return False
-        return self.elapsed() + (estimate or 0.0) > self.deadline
+    def left(self) -> float | None:
+        """The seconds to the deadline (None: no deadline), the most a started arm may run."""
+        return None if self.deadline is None else max(0.0, self.deadline - self.elapsed())
+
+
+def build_model(folder: Path, arch: str, rows: int, max_length: int, dtype) -> dict:
+    """A model build, in a process of its own (the random init may run on the GPU): the tokenizer,
+    trained on the first run's rows, and the model, saved to ``folder``."""
+    tokenizer = tokenizer_for(arch, synthetic_rows(rows, max_length))
+    with quiet():
+        save_random_model(folder, arch, tokenizer, dtype)
+    return {}
+
+
+def train_arm(run: Run, arm: str, folder: Path, tokenizer, args, dtype, gpu: bool, peak_flops: float | None) -> dict:
+    """An arm, in a process of its own: its measurements, or its error (where an OOM left the peak)."""
+    reset_peaks()
+    recorder = model_probe()
+    recorder.pad_token_id = tokenizer.pad_token_id
+    try:
+        chosen = {}
+        if arm in BASELINES:
+            baseline_arm(run, folder, tokenizer, args, dtype, packing=arm == "baseline-packed")
+        else:
+            chosen = ftcore_arm(run, arm, folder, args, gpu)
+        return {**measure(recorder, args.warmup, run.method, peak_flops), "chosen": chosen}
+    except Exception as exc:  # noqa: BLE001 (an OOM or a failed arm is recorded; the next arm goes on)
+        return {"error": error_text(exc), "peak_gib": peak_memory_gib()}
 
 
 def bench(runs: dict[str, Run], schedule: list[tuple[str, str]], args, lines: Lines, peak_flops: float | None,
-          gpu: bool) -> None:
+          gpu: bool, clock: Clock) -> None:
     import datasets
     import torch
+    from transformers import AutoTokenizer
 
     from ftcore_plugins.common.prepare import prepare
     from ftcore_plugins.templates.chatml import ChatMLTemplate
 
     dtype = torch.bfloat16 if gpu else torch.float32
-    clock = Clock(args.deadline_s, runs)
     models: dict[str, tuple[Path, Any]] = {}  # arch -> (saved model folder, tokenizer)
     broken: dict[str, str] = {}  # arch -> why its model could not be built
     left = {arch: sum(runs[r].arch == arch for r, _ in schedule) for arch in {runs[r].arch for r, _ in schedule}}
-    recorder = ModelProbe().install()
 
     def skip(run: Run, arm: str, reason: str, **extra: Any) -> None:
         run.results[arm] = {"skipped": reason, **extra}
         lines.write("arm", run=run.name, arm=arm, skipped=reason, **extra)
         say(f"{run.name} {arm}: skipped: {reason}")
 
+    def too_late(run: Run, arm: str, seconds: float, source: str, budget: dict) -> bool:
+        """Written as skipped for the deadline, never started, where ``seconds`` from now would pass it."""
+        if not clock.late(seconds):
+            return False
+        skip(run, arm, f"deadline: {clock.elapsed():.0f} s gone, {seconds:.0f} s budgeted, "
+             f"{args.deadline_s:g} s deadline", estimate_s=round(seconds, 1), estimate_from=source, **budget)
+        return True
+
     for name, arm in schedule:
         run = runs[name]
         try:
+            seconds, source = clock.arm_budget(run)
+            budget = {"budget_s": round(seconds, 1), "budget_from": source}
             why = unavailable(arm, gpu)
             if why:
-                skip(run, arm, why)
+                skip(run, arm, why, **budget)
                 continue
             if run.arch in broken:
-                skip(run, arm, f"the {run.arch} model could not be built: {broken[run.arch]}")
-                continue
-            build, build_from = (None, "") if run.arch in models else clock.estimate_build(run.arch)
-            estimate, estimate_from = clock.estimate_arm(run)
-            total = None if estimate is None and build is None else (estimate or 0.0) + (build or 0.0)
-            if clock.late(total):
-                source = estimate_from + (f"; the model build first: {build:.0f} s, {build_from}" if build else "")
-                skip(run, arm, f"deadline: {clock.elapsed():.0f} s gone, {total or 0:.0f} s estimated, "
-                     f"{args.deadline_s:g} s deadline", estimate_s=total, estimate_from=source)
+                skip(run, arm, f"the {run.arch} model could not be built: {broken[run.arch]}", **budget)
                 continue
             if run.arch not in models:
-                begin = time.monotonic()
-                rows = synthetic_rows(args.rows or run.batch_size * (args.steps + 2) * 4, run.max_length)
-                tokenizer = tokenizer_for(run.arch, rows)
-                folder = args.scratch / f"model-{run.arch}"
-                try:
-                    with quiet():
-                        save_random_model(folder, run.arch, tokenizer, dtype)
-                except Exception as exc:  # noqa: BLE001 (recorded; the other architectures go on)
-                    broken[run.arch] = error_text(exc)
-                    lines.write("build", arch=run.arch, error=broken[run.arch])
-                    skip(run, arm, f"the {run.arch} model could not be built: {broken[run.arch]}")
+                build, build_from = clock.build_budget(run.arch)
+                if too_late(run, arm, seconds + build,
+                            f"{source}; the {run.arch} model's build first: {build:.0f} s, {build_from}", budget):
                     continue
-                finally:
-                    free_memory()
-                seconds = time.monotonic() - begin
-                models[run.arch] = (folder, tokenizer)
-                clock.builds.append((run.arch, seconds))
-                lines.write("build", arch=run.arch, seconds=seconds, parameters=parameters(run.arch))
-                say(f"model {run.arch} built and saved in {seconds:.1f} s")
+                folder = args.scratch / f"model-{run.arch}"
+                rows = args.rows or run.batch_size * (args.steps + 2) * 4
+                result, pid, took = in_child(
+                    lambda: build_model(folder, run.arch, rows, run.max_length, dtype),  # noqa: B023 (called now)
+                    args.scratch / f"build-{run.arch}.json", clock.left(),
+                    lambda pid: say(f"model {run.arch}: building (process {pid}, budget {build:.0f} s: {build_from})"),
+                    limit_name="the deadline")
+                if "error" in result:
+                    broken[run.arch] = result["error"]
+                    lines.write("build", arch=run.arch, pid=pid, budget_s=round(build, 1), seconds=took,
+                                error=broken[run.arch])
+                    say(f"model {run.arch}: failed after {took:.1f} s (process {pid}): {broken[run.arch]}")
+                    skip(run, arm, f"the {run.arch} model could not be built: {broken[run.arch]}", **budget)
+                    continue
+                models[run.arch] = (folder, AutoTokenizer.from_pretrained(folder))
+                clock.builds.append((run.arch, took))
+                lines.write("build", arch=run.arch, pid=pid, budget_s=round(build, 1), seconds=took,
+                            parameters=parameters(run.arch))
+                say(f"model {run.arch} built and saved in {took:.1f} s (process {pid})")
             folder, tokenizer = models[run.arch]
             if run.token_ids is None:
                 begin = time.monotonic()
@@ -590,28 +762,20 @@ def bench(runs: dict[str, Run], schedule: list[tuple[str, str]], args, lines: Li
                 run.token_ids = prepare(datasets.Dataset.from_list(rows), tokenizer, ChatMLTemplate(),
                                         max_length=run.max_length).dataset
                 lines.write("prepare", run=run.name, rows=len(rows), seconds=time.monotonic() - begin)
-            free_memory()
-            recorder.reset()
-            recorder.pad_token_id = tokenizer.pad_token_id
-            begin = time.monotonic()
-            try:
-                chosen = {}
-                if arm in BASELINES:
-                    baseline_arm(run, folder, tokenizer, args, dtype, packing=arm == "baseline-packed")
-                else:
-                    chosen = ftcore_arm(run, arm, folder, args, gpu)
-                result = {**measure(recorder, args.warmup, run.method, peak_flops), "chosen": chosen}
-            except Exception as exc:  # noqa: BLE001 (an OOM or a failed arm is recorded; the next arm goes on)
-                run.results[arm] = {"error": error_text(exc), "seconds": time.monotonic() - begin,
-                                    "peak_gib": peak_memory_gib()}  # where an OOM left it
-                lines.write("arm", run=run.name, arm=arm, **run.results[arm])
-                say(f"{run.name} {arm}: failed after {time.monotonic() - begin:.1f} s: {run.results[arm]['error']}")
+            if too_late(run, arm, seconds, source, budget):  # the build and the data took their time
                 continue
-            finally:
-                free_memory()
-            result["seconds"] = time.monotonic() - begin
-            clock.arms.append((run.name, result["seconds"]))
+            result, pid, took = in_child(
+                lambda: train_arm(run, arm, folder, tokenizer, args, dtype, gpu, peak_flops),  # noqa: B023
+                run.work / f"{arm.replace('+', '-')}.json", clock.left(),
+                lambda pid: say(f"{run.name} {arm}: starting (process {pid}, budget {seconds:.0f} s: {source})"),
+                limit_name="the deadline")
+            result.update(seconds=took, pid=pid, **budget)
             run.results[arm] = result
+            if "error" in result:
+                lines.write("arm", run=run.name, arm=arm, **result)
+                say(f"{run.name} {arm}: failed after {took:.1f} s (process {pid}): {result['error']}")
+                continue
+            clock.arms.append((run.name, arm, result))
             lines.write("arm", run=run.name, arm=arm, arch=run.arch, method=run.method, max_length=run.max_length,
                         batch_size=run.batch_size, memory_vs=reference(arm), **result)
             say(arm_line(run, arm))
@@ -633,10 +797,6 @@ def bench(runs: dict[str, Run], schedule: list[tuple[str, str]], args, lines: Li
                 shutil.rmtree(models.pop(run.arch)[0], ignore_errors=True)  # 16 GB for 8B
 
 
-def error_text(exc: BaseException) -> str:
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    return text if len(text) <= 600 else text[:600] + " ..."
-
 
 def arm_line(run: Run, arm: str) -> str:
     r, base = run.results[arm], run.results.get("baseline")
@@ -644,7 +804,8 @@ def arm_line(run: Run, arm: str) -> str:
         if measured(base) and arm != "baseline" else ""
     mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
     return (f"{run.name} {label(arm, r)}: {r['tokens_per_s']:.0f} real tokens/s{speed}, peak {r['peak_gib']:.2f} GiB, "
-            f"MFU {mfu}, {r['seconds']:.1f} s ({r['train_seconds']:.1f} s training)")
+            f"MFU {mfu}, {r['seconds']:.1f} s ({r['train_seconds']:.1f} s training; budget {r['budget_s']:.0f} s) "
+            f"(process {r['pid']})")
 
 
 def label(arm: str, result: dict) -> str:
@@ -698,6 +859,8 @@ def table(runs: dict[str, Run], peak_note: str) -> str:
         f"MFU = tokens/s x (4N + 2N_trainable for LoRA/QLoRA, 6N for full) / {peak_note}")
 
 
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny configs on CPU (or GPU), a few steps")
@@ -709,9 +872,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, help="synthetic rows (default: enough for the steps)")
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device, for MFU")
     parser.add_argument("--options", help="comma-separated option arms after the ftcore arm, or 'all': "
-                        f"{', '.join(OPTIONS)} (--quick: liger, flex or varlen, unpacked)")
-    parser.add_argument("--deadline-s", type=float, help="start no arm or model build whose estimate would end "
-                        f"past this many seconds from the start (--quick: {QUICK_DEADLINE_S:g})")
+                        f"{', '.join(OPTIONS)} (--quick: liger, sdpa-block or flex, unpacked)")
+    parser.add_argument("--deadline-s", type=float, help="start no arm whose budget would end past this many "
+                        "seconds from the start, and kill a started one there "
+                        f"(--quick: {QUICK_DEADLINE_S:g})")
     parser.add_argument("--jsonl", type=Path, help="the JSON lines, written as each arm finishes "
                         "(default: a new file in the temp folder)")
     parser.add_argument("--json", type=Path, help="also write all measurements here at the end")
@@ -725,7 +889,8 @@ def main() -> None:
     args.steps = args.steps or (8 if args.tiny else 50)
     args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 5)
     catalogue = TINY_RUNS if args.tiny else RUNS
-    attention = "varlen" if importlib.util.find_spec("flash_attn") is not None else "flex"
+    # The packed attention ftcore does not choose on CUDA (its default: varlen where flash_attn is, else flex).
+    attention = "flex" if importlib.util.find_spec("flash_attn") is not None else "sdpa-block"
     if args.options is None:
         args.options = ["liger", attention, "unpacked"] if args.quick else []
     else:
@@ -742,18 +907,26 @@ def main() -> None:
             parser.error(f"unknown run(s) {', '.join(unknown)}; this mode has {', '.join(catalogue)}")
         plan = [(name, True) for name in names]
 
+    # Whether there is a GPU, through NVML: this process must never initialise CUDA (its forks could not use it).
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import torch
 
-    gpu = torch.cuda.is_available()
+    from ftcore_plugins.common.memory import gpu_visible
+
+    gpu = gpu_visible() and torch.cuda.is_available()
     if not args.tiny and not gpu:
         sys.exit("gpu_throughput: no CUDA device; the 8B/1B runs need one (use --tiny on CPU)")
-    device = torch.cuda.get_device_name() if gpu else "CPU"
-    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device), None) if gpu else None)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     args.jsonl = args.jsonl or Path(tempfile.gettempdir()) / f"ftcore-gpu-throughput-{stamp}-{os.getpid()}.jsonl"
     args.scratch = Path(tempfile.mkdtemp(prefix="ftcore-gpu-"))  # models, runs, cache: scratch
     atexit.register(shutil.rmtree, args.scratch, ignore_errors=True)
     os.environ.setdefault("FTCORE_CACHE_DIR", str(args.scratch / "cache"))
+    device, preloaded = "CPU", PRELOAD
+    if gpu:  # its name, and what this process may import, from a child of its own, which may initialise CUDA
+        found, _, _ = in_child(lambda: probe(PRELOAD), args.scratch / "probe.json", 600, lambda pid: None)
+        device = found.get("device") or f"a CUDA device (its name unread: {found.get('error')})"
+        preloaded = PRELOAD[:found.get("preload", 0)]
+    peak = args.peak_tflops or (next((v for k, v in PEAK_TFLOPS.items() if k in device), None) if gpu else None)
     runs: dict[str, Run] = {}
     for name, keep in plan:
         arch, method, max_length, batch_size = catalogue[name]
@@ -766,19 +939,17 @@ def main() -> None:
                       key=lambda w: (TIER.get(w[1], 2), order[w[0]], runs[w[0]].arms.index(w[1])))
     settings = (f"{args.steps} steps per arm, {args.warmup} untimed"
                 + (f"; deadline {args.deadline_s:g} s" if args.deadline_s is not None else ""))
+    clock = Clock(args.deadline_s, runs, args.steps, gpu, peak * 1e12 if peak else None)
     lines = Lines(args.jsonl)
     print(f"JSON lines: {args.jsonl}", flush=True)
-    say(f"device: {device}; {settings}")
-    lines.write("start", device=device, machine=machine(), argv=sys.argv[1:], scratch=str(args.scratch),
-                steps=args.steps, warmup=args.warmup, deadline_s=args.deadline_s, peak_tflops=peak, schedule=schedule)
-    # The libraries every arm uses, imported before the first arm: its time is then its own work.
-    import peft  # noqa: F401
-    import trl  # noqa: F401
-
-    from ftcore.plugins import get_plugin_manager
-
-    get_plugin_manager()
-    bench(runs, schedule, args, lines, peak * 1e12 if peak else None, gpu)
+    say(f"device: {device}; {settings}; this process {os.getpid()}, each arm and model build in a fork of its own")
+    lines.write("start", device=device, machine=machine(), argv=sys.argv[1:], pid=os.getpid(),
+                scratch=str(args.scratch), steps=args.steps, warmup=args.warmup, deadline_s=args.deadline_s,
+                peak_tflops=peak, schedule=[[n, a, round(clock.arm_budget(runs[n])[0], 1)] for n, a in schedule],
+                build_budgets_s={arch: round(clock.build_budget(arch)[0], 1)
+                                 for arch in dict.fromkeys(runs[n].arch for n, _ in schedule)})
+    preload(preloaded)
+    bench(runs, schedule, args, lines, peak * 1e12 if peak else None, gpu, clock)
     peak_note = (f"{peak:g} TFLOP/s (dense bf16 of {device})" if peak else
                  "no peak: MFU n/a on CPU unless --peak-tflops is given")
     out = table(runs, peak_note)

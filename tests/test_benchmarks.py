@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -46,7 +47,7 @@ def json_lines(path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
-def test_gpu_throughput_pairs_estimates_and_bin_padding():
+def test_gpu_throughput_pairs_budgets_and_bin_padding():
     import torch
 
     gt = gpu_throughput()
@@ -54,29 +55,147 @@ def test_gpu_throughput_pairs_estimates_and_bin_padding():
     assert {gt.reference(a) for a in ("baseline-packed", "ftcore", "ftcore+flex", "ftcore+liger", "ftcore+varlen",
                                       "ftcore+sdpa-block", "ftcore+per-sample")} == {"baseline-packed"}
     assert gt.reference("baseline") == gt.reference("ftcore+unpacked") == "baseline"
-    # Estimates from this process's own timings: the run's slowest arm, else its architecture's, else scaled.
-    runs = {n: gt.Run(n, *gt.RUNS[n], arms=[], work=ROOT) for n in ("1b-lora-2048", "1b-full-2048", "8b-qlora-2048")}
-    clock = gt.Clock(None, runs)
-    assert clock.estimate_arm(runs["1b-lora-2048"])[0] is None and clock.estimate_build("8b")[0] is None
-    assert not clock.late(1e9)  # no deadline
-    clock.arms += [("1b-lora-2048", 10.0), ("1b-lora-2048", 14.0)]
-    clock.builds.append(("1b", 3.0))
-    ratio = gt.parameters("8b") / gt.parameters("1b")
+    # The work of each architecture, counted as a loaded model is (Llama 3 8B, Llama 3.2 1B; LoRA r=16 on
+    # every linear layer of the blocks: the trainable counts peft prints for them).
     assert gt.parameters("8b") == pytest.approx(8.03e9, rel=0.01)
-    assert gt.parameters("1b") == pytest.approx(1.24e9, rel=0.01)
-    assert clock.estimate_arm(runs["1b-lora-2048"])[0] == clock.estimate_arm(runs["1b-full-2048"])[0] == 14.0
-    assert clock.estimate_arm(runs["8b-qlora-2048"])[0] == pytest.approx(14.0 * ratio)
-    assert clock.estimate_build("8b")[0] == pytest.approx(3.0 * ratio)  # 19.5 s: the 8B save took 22 s on an H200
+    assert gt.parameters("8b", matmul=True) == pytest.approx(8.03e9 - 128256 * 4096, rel=0.01)
+    assert gt.parameters("1b") == gt.parameters("1b", matmul=True) == pytest.approx(1.24e9, rel=0.01)  # tied
+    assert gt.trainable_parameters("8b", "qlora") == 41_943_040
+    assert gt.trainable_parameters("1b", "lora") == 11_272_192
+    assert gt.flops_per_token("1b", "full") == 6 * gt.parameters("1b", matmul=True)
+
+    # Budgets on an H200, nothing measured yet: each arm's from its own size (fixed + load + training).
+    runs = {n: gt.Run(n, *gt.RUNS[n], arms=[], work=ROOT) for n in ("1b-lora-2048", "1b-full-2048", "8b-qlora-2048")}
+    clock = gt.Clock(None, runs, 11, True, 989e12)
+    rate = gt.ASSUMED_MFU * 989e12
+
+    def work(name):  # load and training seconds, at 16k positions a step
+        arch, method, max_length, batch = gt.RUNS[name]
+        return 2 * gt.parameters(arch) / gt.LOAD_BYTES_PER_S + 11 * batch * max_length * gt.flops_per_token(
+            arch, method) / rate
+
+    small, large = clock.arm_budget(runs["1b-lora-2048"]), clock.arm_budget(runs["8b-qlora-2048"])
+    assert small[0] == pytest.approx(gt.FIXED_S[True] + work("1b-lora-2048"))
+    assert large[0] == pytest.approx(gt.FIXED_S[True] + work("8b-qlora-2048"))
+    assert 5 < work("8b-qlora-2048") / work("1b-lora-2048") < 7  # 16 GB to load, 6x the FLOPs
+    assert large[0] < 120 and "16.1 GB at 1 GB/s" in large[1] and "35% of 989 TFLOP/s" in large[1]
+    assert clock.build_budget("8b")[0] == pytest.approx(gt.BUILD_FIXED_S[True] + 2 * gt.parameters("8b") / 0.5e9)
+    # A 1B arm measured at 60 s, mostly loading and JIT: the 8B arm's budget is its own size's plus the 1B arm's
+    # residual (what neither loading nor training explains), not 60 s x the parameter ratio (6.5: 390 s).
+    clock.arms.append(("1b-lora-2048", "ftcore", {"seconds": 60.0, "train_seconds": 9.0,
+                                                  "positions_per_step": [16384] * 11}))
+    residual = 60.0 - work("1b-lora-2048")
+    assert clock.arm_budget(runs["8b-qlora-2048"])[0] == pytest.approx(residual + work("8b-qlora-2048"))
+    assert clock.arm_budget(runs["8b-qlora-2048"])[0] < 100 < 60.0 * gt.parameters("8b") / gt.parameters("1b")
+    assert clock.arm_budget(runs["1b-full-2048"])[0] == pytest.approx(residual + work("1b-full-2048"))
+    # Once an arm of the same run is measured, the run's slowest arm so far is the budget.
+    assert clock.arm_budget(runs["1b-lora-2048"]) == (60.0, "the slowest 1b-lora-2048 arm so far, ftcore")
+    clock.builds.append(("1b", 9.0))  # a build's fixed part measured: 9 s less its save
+    assert clock.build_budget("8b")[0] == pytest.approx(9.0 - 2 * gt.parameters("1b") / 0.5e9
+                                                        + 2 * gt.parameters("8b") / 0.5e9)
+
+    # On a CPU: fp32 weights; the rate is the lowest measured (the same method's first), else CPU_FLOPS.
+    tiny = {n: gt.Run(n, *gt.TINY_RUNS[n], arms=[], work=ROOT) for n in ("tiny-lora-128", "tiny4-qlora-128")}
+    cpu = gt.Clock(None, tiny, 11, False, 1e9)  # a peak given for MFU is not a CPU's rate
+    assert cpu.rate("qlora") == (gt.CPU_FLOPS, "assumed for a CPU")
+    cpu.arms.append(("tiny-lora-128", "baseline", {"seconds": 8.0, "train_seconds": 2.0,
+                                                   "positions_per_step": [300] * 11}))
+    measured = 300 * 11 * gt.flops_per_token("tiny", "lora") / 2.0
+    assert cpu.rate("qlora") == (measured, "measured, tiny-lora-128 baseline")
+    budget, how = cpu.arm_budget(tiny["tiny4-qlora-128"])
+    assert budget == pytest.approx(8.0 - 2.0 - 4 * gt.parameters("tiny") / 1e9 + 4 * gt.parameters("tiny4") / 1e9
+                                   + 11 * 4 * 128 * gt.flops_per_token("tiny4", "qlora") / measured)
+    assert how.startswith("fixed 6.0 s (measured, tiny-lora-128 baseline) + load")
+    # The deadline: work that would end past it is late; without one nothing is, and nothing is killed.
+    assert not clock.late(1e9) and clock.left() is None
     clock.deadline = clock.elapsed() + 20
-    assert not clock.late(14.0) and clock.late(30.0) and not clock.late(None)
+    assert not clock.late(14.0) and clock.late(30.0) and 19 < clock.left() <= 20
     clock.deadline = clock.elapsed() - 1
-    assert clock.late(None)  # past the deadline, nothing starts
+    assert clock.late(0.0) and clock.left() == 0  # past the deadline, nothing starts
     # Packed bins without a mask (flex, sdpa_block): each row's trailing untrained pad tokens are not real
     # tokens; a trained pad token (an end of text the loss learns) is, and so is a pad token before real ones.
     ids = torch.tensor([[5, 6, 7, 8, 0, 0], [5, 0, 5, 6, 7, 8], [5, 6, 7, 0, 0, 0]])
     labels = torch.tensor([[-100, 6, 7, 8, -100, -100], [-100, -100, -100, 6, 7, 8], [-100, 6, 7, 0, -100, -100]])
     assert gt.bin_padding(ids, labels, pad_token_id=0) == 2 + 0 + 2
     assert gt.bin_padding(ids, labels, pad_token_id=8) == 0
+
+
+def test_gpu_throughput_children_report_crashes_and_time_limits(tmp_path, monkeypatch):
+    """Each piece of work runs in a fork of its own: its result comes back; an exception, an exit, a signal
+    or the time limit comes back as its error, and the benchmark's process goes on."""
+    import signal
+
+    gt = gpu_throughput()
+    seen = []
+    result, pid, seconds = gt.in_child(lambda: {"pid": os.getpid(), "parent": os.getppid()}, tmp_path / "a.json",
+                                       None, seen.append)
+    assert result == {"pid": pid, "parent": os.getpid()} and seen == [pid] and pid != os.getpid() and seconds > 0
+    result, pid2, _ = gt.in_child(lambda: 1 / 0, tmp_path / "b.json", None, seen.append)
+    assert result == {"error": "ZeroDivisionError: division by zero"} and pid2 not in (pid, os.getpid())
+    result, pid, _ = gt.in_child(lambda: os._exit(3), tmp_path / "c.json", None, seen.append)
+    assert result == {"error": f"its process {pid} exited with status 3 before writing its result"}
+    result, pid, _ = gt.in_child(lambda: os.kill(os.getpid(), signal.SIGKILL), tmp_path / "d.json", None,
+                                 seen.append)
+    assert result == {"error": f"its process {pid} was killed by SIGKILL (the kernel's OOM killer?)"}
+    result, pid, seconds = gt.in_child(lambda: time.sleep(60), tmp_path / "e.json", 0.5, seen.append,
+                                       limit_name="the deadline")
+    assert result["error"].startswith("timed out after ") and result["error"].endswith(" s (killed at the deadline)")
+    assert 0.5 < seconds < 30
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped
+    assert len(set(seen)) == 5
+    # On a GPU a probe child finds how many of the modules to preload leave CUDA uninitialised (bitsandbytes'
+    # import initialises it); the benchmark's process imports those, a missing one skipped.
+    import torch
+
+    (tmp_path / "initialises_cuda.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: "initialises_cuda" in sys.modules)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H200")
+    assert gt.probe(("json", "no_such_module", "initialises_cuda", "csv")) == {"device": "NVIDIA H200", "preload": 2}
+    sys.modules.pop("initialises_cuda")
+
+
+def test_gpu_throughput_each_arm_in_its_own_process_and_a_crash_is_its_error(tmp_path, monkeypatch, capsys):
+    """The benchmark's loop with the model build and the training stood in for: the build and every arm run in
+    processes of their own; an arm whose process dies is written as failed, and the next arms still run."""
+    import signal
+    from types import SimpleNamespace
+
+    gt = gpu_throughput()
+
+    def build(folder, arch, rows, max_length, dtype):
+        gt.tokenizer_for(arch, gt.synthetic_rows(rows, max_length)).save_pretrained(folder)
+        return {}
+
+    def train(run, arm, folder, tokenizer, args, dtype, gpu, peak_flops):
+        if arm == "ftcore":
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+        steps = [run.batch_size * 64] * args.steps
+        return {"tokens_per_s": 100.0, "peak_gib": 0.5, "mfu": None, "train_seconds": 0.1, "losses": [1.0] * 3,
+                "tokens_per_step": steps, "positions_per_step": steps, "in_process": os.getpid()}
+
+    monkeypatch.setattr(gt, "build_model", build)
+    monkeypatch.setattr(gt, "train_arm", train)
+    name, arms = "tiny-lora-128", ["baseline", "ftcore", "baseline-packed", "ftcore+unpacked"]
+    (tmp_path / name).mkdir()
+    runs = {name: gt.Run(name, *gt.TINY_RUNS[name], arms=arms, work=tmp_path / name)}
+    args = SimpleNamespace(scratch=tmp_path, rows=None, steps=3, warmup=0, deadline_s=None)
+    lines = gt.Lines(tmp_path / "l.jsonl")
+    gt.bench(runs, [(name, a) for a in arms], args, lines, None, False, gt.Clock(None, runs, 3, False, None))
+    out = capsys.readouterr().out
+    events = json_lines(tmp_path / "l.jsonl")
+    assert [e["event"] for e in events if e["event"] != "pair"] == ["build", "prepare", "arm", "arm", "arm", "arm"]
+    done = {e["arm"]: e for e in events if e["event"] == "arm"}
+    pids = [events[0]["pid"], *(done[a]["pid"] for a in arms)]
+    assert len(set(pids)) == len(pids) and os.getpid() not in pids  # each its own process, none this one
+    assert done["ftcore"]["error"] == f"its process {done['ftcore']['pid']} was killed by SIGKILL " \
+        "(the kernel's OOM killer?)"
+    for arm in ("baseline", "baseline-packed", "ftcore+unpacked"):  # measured, after the crash too
+        assert done[arm]["in_process"] == done[arm]["pid"] and done[arm]["budget_s"] > 0
+        assert f"{name} {arm}: starting (process {done[arm]['pid']}, budget " in out
+    assert f"{name} ftcore: failed after " in out and runs[name].results["ftcore"]["pid"] == done["ftcore"]["pid"]
+    assert [p["arm"] for p in events if p["event"] == "pair"] == ["ftcore+unpacked"]  # ftcore has none to make
 
 
 OPTION_ARMS = ["neftune", "adamw-8bit", "loss-full", "unpacked", "sdpa-block", "liger", "flash-attention-2", "varlen"]
@@ -136,7 +255,11 @@ def test_gpu_throughput_tiny_mode_and_its_option_arms(tmp_path):
         ["start", "build", "prepare", *["arm"] * len(schedule), "end"]
     arms = [line for line in lines if line["event"] == "arm"]
     assert [line["arm"] for line in arms] == schedule
-    assert lines[0]["schedule"] == [["tiny-lora-128", a] for a in schedule]
+    assert [s[:2] for s in lines[0]["schedule"]] == [["tiny-lora-128", a] for a in schedule]
+    # The build and each arm that ran, in a process of its own; every arm with its budget.
+    pids = [lines[1]["pid"], *(line["pid"] for line in arms if "skipped" not in line)]
+    assert len(set(pids)) == len(pids) == 1 + 8 and lines[0]["pid"] not in pids
+    assert all(line["budget_s"] > 0 for line in arms)
     for line in arms[:3]:
         assert {k: v for k, v in line.items() if k in measured[line["arm"]] and k != "equal_work"} == \
             {k: v for k, v in measured[line["arm"]].items() if k != "equal_work"}
@@ -174,8 +297,8 @@ def test_gpu_throughput_tiny_mode_and_its_option_arms(tmp_path):
     else:  # the option does not exist yet: the arm is written as failed and the others go on
         assert "packed_attention" in block["error"]
     if not torch.cuda.is_available():
-        assert measured["ftcore+liger"] == measured["ftcore+flash-attention-2"] == measured["ftcore+varlen"] == \
-            {"skipped": "needs CUDA"}
+        for arm in ("ftcore+liger", "ftcore+flash-attention-2", "ftcore+varlen"):
+            assert measured[arm]["skipped"] == "needs CUDA" and "pid" not in measured[arm]  # never started
         assert "skipped: needs CUDA (unmeasured)" in out
     assert len(arms) == len(labels) and {line["arm"] for line in arms} == set(measured)
 
@@ -207,42 +330,51 @@ def test_gpu_throughput_quick_rehearsal_writes_each_arm_as_it_finishes(tmp_path)
     lines = json_lines(path)
     assert lines[:len(first)] == first and [line["event"] for line in first][-1] == "arm"
     start, arms = lines[0], [line for line in lines if line["event"] == "arm"]
-    attention = "varlen" if importlib.util.find_spec("flash_attn") else "flex"
+    attention = "flex" if importlib.util.find_spec("flash_attn") else "sdpa-block"  # not the CUDA default
     options = ["ftcore+liger", f"ftcore+{attention}", "ftcore+unpacked"]
     runs = {"tiny-lora-128": options, "tiny-qlora-128": options, "tiny-full-128": options, "tiny4-qlora-128": []}
     # The most important first: baseline and ftcore of every run, then TRL's packing, then the option arms.
     expected = [[r, a] for r in runs for a in ("baseline", "ftcore")] + [[r, "baseline-packed"] for r in runs] + \
         [[r, a] for r, arms_ in runs.items() for a in arms_]
-    assert start["schedule"] == expected and start["deadline_s"] == 450 and start["steps"] == 2
+    assert [s[:2] for s in start["schedule"]] == expected and start["deadline_s"] == 450 and start["steps"] == 2
+    assert all(s[2] > 0 for s in start["schedule"]) and set(start["build_budgets_s"]) == {"tiny", "tiny4"}
     assert not Path(start["scratch"]).exists()  # removed at exit
     assert [[line["run"], line["arm"]] for line in arms] == expected  # one line per arm, in that order
     assert [line["t"] for line in lines] == sorted(line["t"] for line in lines)
     builds = [line for line in lines if line["event"] == "build"]
     assert [b["arch"] for b in builds] == ["tiny", "tiny4"] and all(b["seconds"] > 0 for b in builds)
+    text = (tmp_path / "out").read_text()
+    # Each build and each arm in a process of its own, none of them this benchmark's; every arm with its budget.
+    pids = [b["pid"] for b in builds] + [line["pid"] for line in arms if "pid" in line]
+    assert len(pids) == 2 + 18 and len(set(pids)) == len(pids) and start["pid"] not in pids  # 3 need CUDA
     for line in arms:
+        assert line["budget_s"] > 0 and line["budget_from"]
         if line["arm"] in ("ftcore+liger", "ftcore+flex", "ftcore+varlen"):
             assert line["skipped"].startswith("needs")  # CUDA (or flash_attn)
             continue
+        assert f"{line['run']} {line['arm']}: starting (process {line['pid']}, budget " in text
         assert line["tokens_per_s"] > 0 and line["peak_gib"] > 0 and line["mfu"] is None  # no peak given on CPU
         assert line["seconds"] > line["train_seconds"] > 0 and line["timed_steps"] == 1
         padded = line["arm"] in ("baseline", "ftcore+unpacked")
         assert line["memory_vs"] == ("baseline" if padded else "baseline-packed")
     # The equal-work pairs: ftcore against TRL's packing in every run, unpacked against the padded baseline.
     pairs = {(p["run"], p["arm"]): p for p in lines if p["event"] == "pair"}
-    assert set(pairs) == {(r, "ftcore") for r in runs} | {(r, "ftcore+unpacked") for r in runs if runs[r]}
+    ftcore_arms = {(line["run"], line["arm"]) for line in arms if line["arm"].startswith("ftcore") and "pid" in line}
+    assert set(pairs) == ftcore_arms and {(r, "ftcore") for r in runs} | {(r, "ftcore+unpacked") for r in runs
+                                                                          if runs[r]} <= ftcore_arms
     for (run, arm), pair in pairs.items():
         assert pair["reference"] == ("baseline" if arm == "ftcore+unpacked" else "baseline-packed")
         assert pair["same_tokens_per_step"] is True and pair["tokens_per_step_ratio"] == 1.0
         assert pair["x_memory"] > 0 and pair["x_tokens_per_s"] > 0
     assert lines[-1]["event"] == "end"
-    text = (tmp_path / "out").read_text()
     assert len(table_rows(text)) == len(expected)
     assert "MFU n/a on CPU unless --peak-tflops is given" in text
 
 
 @pytest.mark.slow
 def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
-    """Past the deadline no arm starts (each written as skipped, with why); a killed run keeps the lines it wrote."""
+    """Past the deadline no arm starts (each written as skipped, with its budget and why); a killed run keeps
+    the lines it wrote, and its arm's process dies with it."""
     out = bench("gpu_throughput.py", "--tiny", "--quick", "--deadline-s", "0", "--jsonl", str(tmp_path / "d.jsonl"))
     lines = json_lines(tmp_path / "d.jsonl")
     arms = [line for line in lines if line["event"] == "arm"]
@@ -250,18 +382,24 @@ def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
     for line in arms:
         cuda = line["arm"] in ("ftcore+liger", "ftcore+flex", "ftcore+varlen")
         assert line["skipped"].startswith("needs" if cuda else "deadline: "), line
+        assert "pid" not in line and line["budget_s"] > 0  # none started
+        if not cuda:
+            assert line["estimate_s"] >= line["budget_s"] and line["estimate_from"].startswith("fixed ")
+    assert "starting" not in out and "building" not in out
     assert all("(unmeasured)" in row[2] for row in table_rows(out))
 
-    path = tmp_path / "k.jsonl"
+    path, out = tmp_path / "k.jsonl", tmp_path / "k.out"
     proc = start_script(ROOT / "benchmarks" / "gpu_throughput.py", "--tiny", "--runs", "tiny-lora-128", "--steps",
-                        "2", "--warmup", "0", "--jsonl", str(path))
-    try:
+                        "2", "--warmup", "0", "--jsonl", str(path), stdout=out)
+    try:  # killed once the first arm is written and the next one has started
         give_up = time.monotonic() + 600
-        while not any("tokens_per_s" in line for line in json_lines(path)) and time.monotonic() < give_up:
+        while not (started := re.search(r"ftcore: starting \(process (\d+)", out.read_text() if out.exists() else "")) \
+                and proc.poll() is None and time.monotonic() < give_up:
             time.sleep(0.05)
     finally:
         proc.kill()
         proc.wait()
+    assert started, out.read_text()
     text = path.read_text()
     assert text.endswith("\n")
     lines = [json.loads(line) for line in text.splitlines()]  # every line whole
@@ -269,10 +407,46 @@ def test_gpu_throughput_deadline_and_a_killed_run(tmp_path):
     assert lines[3]["arm"] == "baseline" and lines[3]["tokens_per_s"] > 0 and lines[-1]["event"] != "end"
     scratch = Path(lines[0]["scratch"])  # killed: its models stay, where the start line says
     assert (scratch / "tiny-lora-128").is_dir()
+    # The running arm's process dies with the benchmark's (the kernel kills it: PR_SET_PDEATHSIG).
+    stat, give_up = Path(f"/proc/{started[1]}/stat"), time.monotonic() + 60
+
+    def alive() -> bool:  # a zombie (Z) or a dead one (X) is gone
+        try:
+            return stat.read_text().rsplit(")", 1)[-1].split()[0] not in "ZX"
+        except FileNotFoundError:
+            return False
+
+    while alive():
+        assert time.monotonic() < give_up
+        time.sleep(0.1)
     shutil.rmtree(scratch)
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "tokenizers" / "llama3").exists(), reason="needs ../shared's Llama 3 tokenizer")
+def test_gpu_smoke_tiny_mode_runs_what_a_cpu_can_and_skips_the_cuda_checks(tmp_path):
+    """The GPU smoke check on a CPU: a line per check as it finishes, each training arm in a process of its own
+    with the CPU's defaults chosen, and every CUDA-only check written "skipped: no GPU"."""
+    out = bench("gpu_smoke.py", "--tiny", "--arms", "lora-packed,qlora-unpacked,lora-packed-liger",
+                "--jsonl", str(tmp_path / "smoke.jsonl"))
+    lines = {r["check"]: r for r in json_lines(tmp_path / "smoke.jsonl")}
+    assert list(lines) == ["c-compiler", "triton-launcher", "model", "defaults", "lora-packed", "qlora-unpacked",
+                           "lora-packed-liger", "packed-equals-unpacked", "pytest -m gpu"]
+    skipped = {name for name, r in lines.items() if r["status"] == "skipped"}
+    assert skipped == {"triton-launcher", "lora-packed-liger", "pytest -m gpu"}
+    assert all(lines[name]["detail"] == "no GPU" for name in skipped)
+    assert all(r["status"] == "ok" for name, r in lines.items() if name not in skipped), out
+    assert lines["lora-packed"]["chosen"] == {"loss_kernel": "chunked", "optimizer": "adamw_torch",
+                                              "packed_attention": "sdpa_per_sample"}
+    assert len(lines["qlora-unpacked"]["losses"]) == 5
+    pids = [r["pid"] for r in lines.values() if "pid" in r]
+    assert len(pids) == len(set(pids)) == 5 and os.getpid() not in pids
+    for name in lines:
+        assert re.search(rf"\] {re.escape(name)}: (ok|skipped)", out), name
+    assert "gpu_smoke: 0 failed" in out
+
+
 def test_overhead_arms_do_the_same_work(tmp_path):
     out = bench("overhead.py", "--blocks", "2", "--steps", "5", "--warmup", "2", "--rows", "200",
                 "--json", str(tmp_path / "r.json"))

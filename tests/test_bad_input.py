@@ -172,7 +172,7 @@ VALIDATE += [
     ("names", "top-level-adapter-unknown-key",
      lambda t: sub("[template]", '[adapter]\nuse = "lora"\nlora_aplha = 16\n\n[template]')(THREE_STAGES(t)),
      "adapter.lora_aplha: unknown key for adapter 'lora'; did you mean 'lora_alpha'? Valid keys: bias, lora_alpha, "
-     "lora_dropout, modules_to_save, r, target_modules, train_projector, train_template_tokens, use, use_rslora, "
+     "lora_dropout, modules_to_save, r, target_modules, target_parameters, train_projector, train_template_tokens, use, use_rslora, "
      "vision_tower"),
     ("numbers", "top-level-adapter-r-zero",
      lambda t: sub("[template]", '[adapter]\nuse = "lora"\nr = 0\n\n[template]')(THREE_STAGES(t)),

@@ -26,13 +26,21 @@ class Ia3Adapter(PeftAdapter):
     def peft_config(self, model, ctx):
         from peft import IA3Config
 
-        from ftcore_plugins.adapters._targets import check_modules_to_save, resolve
+        from ftcore_plugins.adapters._targets import check_modules_to_save, expert_parameters, parameter_names, resolve
 
         o = self.options
-        targets = resolve(model, o.target_modules, embeddings=False, feedforward=o.feedforward_modules)
+        # peft's IA3 scales modules' inputs or outputs: a mixture-of-experts model's experts stored as parameters
+        # (transformers 5's fused experts) are out of its reach, and stay frozen.
+        targets = resolve(model, o.target_modules, embeddings=False, feedforward=o.feedforward_modules,
+                          parameters=False)
         check_modules_to_save(model, o.modules_to_save)
         ctx.reporter.info(f"adapter {self.name}: targets {targets.describe()}; feedforward (input scaled): "
                           f"{', '.join(targets.feedforward) or 'none'}")
+        experts = list(expert_parameters(model))
+        if experts and isinstance(o.target_modules, str) and o.target_modules != "attention":
+            ctx.reporter.warn(f"adapter {self.name}: this model's experts are parameters "
+                              f"({', '.join(parameter_names(experts, model))}), which IA3 cannot scale: they stay "
+                              "frozen; adapter \"lora\" adapts them")
         return IA3Config(task_type="CAUSAL_LM", target_modules=targets.names,
                          feedforward_modules=targets.feedforward, fan_in_fan_out=targets.conv1d,
                          modules_to_save=o.modules_to_save)

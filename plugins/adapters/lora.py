@@ -50,7 +50,7 @@ class PeftAdapter(Component):
         # Options added later are left out while off, so that adding them changed no run's initialisation
         # (the quickstart's exact match went from 1.00 to 0.44 when vision_tower and train_projector came
         # in); train_template_tokens always, as it changes which embedding rows train, not LoRA's matrices.
-        later = ("vision_tower", "train_projector")
+        later = ("vision_tower", "train_projector", "target_parameters")
         unset = {"train_template_tokens", *(k for k in later if not getattr(self.options, k, False))}
         key = f"{plan_seed}:adapter:{self.name}:{self.options.model_dump_json(exclude=unset)}".encode()
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % 2**63
@@ -75,6 +75,7 @@ class PeftAdapter(Component):
             if ctx.run is not None:
                 torch.manual_seed(self.init_seed(ctx.run.plan.seed))
             model = expose_head_bias(get_peft_model(model, config))
+        self.report_targets(model, ctx)
         counts = report_trainable(model, ctx.reporter, self.label())
         own = counts["total_params"] - counts["trainable_params"]
         if counts["trainable_params"] > own:
@@ -82,6 +83,10 @@ class PeftAdapter(Component):
                               f"model's own {own:,}: an adapter that large saves nothing over full fine-tuning; "
                               "choose a smaller one, or adapter = \"full\"")
         return model
+
+    def report_targets(self, model, ctx) -> None:
+        """Say what the adapter adapts, read from the wrapped model (``apply`` calls it after peft has
+        wrapped the model, before the trainable count). Nothing by default."""
 
     def save(self, model, path):
         model.save_pretrained(path)  # adapter weights only, as safetensors
@@ -103,6 +108,9 @@ class LoraCommonOptions(Options):
     lora_alpha: int = Field(16, gt=0)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: TargetModules = "all-linear"
+    # Parameters adapted besides the target_modules (peft's target_parameters): unset, the preset's (a
+    # mixture-of-experts model's expert weights, under all-linear and mlp); a list names them; [] for none.
+    target_parameters: list[str] | None = None
     bias: Literal["none", "all", "lora_only"] = "none"
     modules_to_save: list[str] | None = None
     # A vision-language model: LoRA adapts its language model only; these adapt the vision tower too, or
@@ -148,13 +156,26 @@ class LoraAdapter(PeftAdapter):
     def peft_config(self, model, ctx):
         from peft import LoraConfig
 
-        from ftcore_plugins.adapters._targets import check_modules_to_save, check_rank, resolve
+        from ftcore_plugins.adapters._targets import (check_modules_to_save, check_rank, peft_renames, resolve,
+                                                      shortest_names)
 
         o = self.options
-        targets = resolve(model, o.target_modules, vision=o.vision_tower)
+        targets = resolve(model, o.target_modules, vision=o.vision_tower, target_parameters=o.target_parameters)
         check_rank(model, targets, o.r)
         check_modules_to_save(model, o.modules_to_save)
-        ctx.reporter.info(f"adapter {self.name}: targets {targets.describe()}")
+        kwargs = self.lora_kwargs()
+        # Names peft's transformers-5 conversion would take for the fused experts' (a dense MLP's gate_proj, the
+        # shared expert's) are handed over as those layers' weights instead, which it leaves as they are.
+        renamed = peft_renames(model, targets.names)
+        names = [n for n in targets.names if n not in renamed]
+        parameters = targets.parameter_names + [f"{n}.weight" for n in renamed]
+        if parameters:
+            self.check_parameters(model, targets, renamed, kwargs)
+        every = [p for p, _ in model.named_modules() if p]
+        short = shortest_names(list(targets.frozen), every)
+        self._frozen = {p: (next(n for n in short if p == n or p.endswith("." + n)), why)
+                        for p, why in targets.frozen.items()}
+        self._requested = (targets.modules, targets.parameters)
         save = o.modules_to_save
         if o.train_projector or o.vision_tower:
             from ftcore_plugins.adapters._targets import vision_parts
@@ -166,8 +187,50 @@ class LoraAdapter(PeftAdapter):
             if o.train_projector:
                 save = [*(save or []), *projector]
         return LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
-                          target_modules=targets.names, fan_in_fan_out=targets.conv1d, bias=o.bias,
-                          modules_to_save=save, **self.lora_kwargs())
+                          target_modules=names, target_parameters=parameters or None,
+                          fan_in_fan_out=targets.conv1d, bias=o.bias, modules_to_save=save, **kwargs)
+
+    def check_parameters(self, model, targets, renamed: list[str], kwargs: dict[str, Any]) -> None:
+        """Refuse, in one line, what peft's LoRA on parameters (``ParamWrapper``) cannot do: DoRA, an
+        initialisation that reads a layer's weight matrix (PiSSA, OLoRA, LoftQ; an experts module has
+        none), dropout (peft adds the update to the weight itself: there is no adapter input to drop)."""
+        from ftcore_plugins.adapters._targets import parameter_names
+
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        init = kwargs.get("init_lora_weights")
+        why = ("peft's DoRA has no version for parameters" if kwargs.get("use_dora") else
+               f"peft's {init} initialisation reads a layer's weight matrix" if isinstance(init, str) else None)
+        if why is None and self.options.lora_dropout == 0:
+            return
+        what, fixes = [], []
+        if targets.parameters:
+            what.append(f"parameters ({', '.join(parameter_names(targets.parameters, model))})")
+            fixes.append("target_parameters = []")
+        if renamed:
+            what.append(f"{', '.join(renamed)}, which peft adapts as parameters on this model (its transformers-5 "
+                        "conversion takes those names for the fused experts')")
+            fixes.append("a target_modules without them, e.g. \"attention\",")
+        key, what, fix = ("target_parameters" if targets.parameters else "target_modules"), " and ".join(what), \
+            " and ".join(fixes)
+        if why is not None:
+            raise FtcoreError(f"adapter {key}: {self.name} cannot adapt parameters ({why}), and this {model_type} "
+                              f"model's targets include {what}; use adapter \"lora\" (or {fix} to leave them frozen)")
+        raise FtcoreError(f"adapter lora_dropout: peft's LoRA on parameters takes no dropout, and this {model_type} "
+                          f"model's targets include {what}; set lora_dropout = 0 (or {fix} to leave them frozen)")
+
+    def report_targets(self, model, ctx):
+        """The targets line, read back from what peft adapted; a warning for any target peft did not adapt."""
+        from ftcore_plugins.adapters._targets import adapted, describe_adapted
+
+        name = model.active_adapter
+        ctx.reporter.info(f"adapter {self.name}: targets {describe_adapted(model, getattr(self, '_frozen', {}), name)}")
+        modules, parameters = getattr(self, "_requested", ([], []))
+        layers, params = adapted(model, name)
+        wrapped = set(layers) | {p.rpartition(".")[0] for p in params}
+        missed = [m for m in modules if m not in wrapped] + [p for p in parameters if p not in params]
+        if missed:
+            ctx.reporter.warn(f"adapter {self.name}: peft left {len(missed)} of the targets without an adapter "
+                              f"({', '.join(missed[:4])}{', ...' if len(missed) > 4 else ''}); they stay frozen")
 
 
 @ftcore.hookimpl

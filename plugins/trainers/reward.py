@@ -134,6 +134,9 @@ def reward_model(ctx):
     with torch.random.fork_rng():
         torch.manual_seed(ctx.adapter.init_seed(ctx.seed))
         model = get_peft_model(model, config)
+    report = getattr(ctx.adapter, "report_targets", None)  # what peft adapted, read back (the adapters' own line)
+    if report is not None:
+        report(model, actx)
     report_trainable(model, ctx.reporter, f"{ctx.adapter.label()} and the reward head")
     return model
 

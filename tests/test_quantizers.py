@@ -469,6 +469,26 @@ def test_prepare_refuses_a_model_the_loader_did_not_quantize():
         assert "\n" not in str(err.value)
 
 
+def test_a_quantizer_that_quantizes_no_layer_is_refused(tmp_path):
+    """Falcon's linear layers are its own FalconLinear, which transformers' bitsandbytes integration does not
+    replace: the model comes back marked 4-bit with every weight at full precision. The stage would train a
+    plain LoRA under QLoRA's name; the quantizer refuses it in one line naming the family."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftcore_plugins.quantizers.bnb_nf4 import NF4Quantizer
+
+    config = AutoConfig.for_model("falcon", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    quantizer = NF4Quantizer()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, **quantizer.load_kwargs())
+    assert model.is_loaded_in_4bit  # transformers' flag says 4-bit all the same
+    with pytest.raises(FtcoreError, match=r"^quantizer 'bnb-nf4': bitsandbytes quantized no layer of this falcon "
+                                          r"model \(its linear layers are FalconLinear,") as err:
+        quantizer.prepare(model)
+    assert "\n" not in str(err.value)
+
+
 # -- plan validation ---------------------------------------------------------------------------
 VALID = """
 [model]

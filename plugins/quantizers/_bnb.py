@@ -81,6 +81,7 @@ class BnbQuantizer(Component):
             raise FtcoreError(f"quantizer '{self.name}': the model loader ignored the quantizer (the model is not "
                               f"loaded in {self.bits}-bit); use a loader that passes load_kwargs() to "
                               "from_pretrained, such as [model] use = \"hf\"")
+        quantized_nothing(model, self.name, self.bits)
         from ftcore_plugins.common.device_defaults import training_device
 
         if self.keeps_fp32(training_device()):
@@ -180,6 +181,23 @@ def keep_cpu_layout_trainable(model) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
+
+
+def quantized_nothing(model: Any, quantizer: str, bits: int) -> None:
+    """Refuse a model in which bitsandbytes replaced no layer: transformers still marks it loaded in 4 or 8
+    bits, but a family whose linear layers are its own classes (Falcon's ``FalconLinear``) keeps every weight
+    at full precision, and the stage would train a plain LoRA under the quantizer's name."""
+    import bitsandbytes as bnb
+    import torch
+
+    kinds = (bnb.nn.Linear4bit,) if bits == 4 else (bnb.nn.Linear8bitLt,)
+    if any(isinstance(m, kinds) for m in model.modules()):
+        return
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    linear = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    raise FtcoreError(f"quantizer '{quantizer}': bitsandbytes quantized no layer of this {model_type} model (its "
+                      f"linear layers are {', '.join(linear) or 'none'}, which transformers' bitsandbytes "
+                      "integration does not replace); use [quantizer] use = \"none\" to train at full precision")
 
 
 def compute_dtype(name: str):

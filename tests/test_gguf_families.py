@@ -272,3 +272,38 @@ def test_converter_is_unpacked_from_a_source_distribution(tmp_path, monkeypatch)
     monkeypatch.setenv(llama_cpp_converter.ENV, str(tmp_path / "nowhere"))
     assert llama_cpp_converter.find_converter() is None
     assert os.environ[llama_cpp_converter.ENV]
+
+
+@needs_converter
+def test_gpt_neox_converts_with_its_share_of_rotated_dimensions(tmp_path):
+    """transformers 5 folds GPT-NeoX's ``rotary_pct`` into ``rope_parameters``, and llama.cpp's converter,
+    reading the config through transformers, failed with a bare ``KeyError: 'rotary_pct'``. The converter's
+    runner puts the old key back; llama.cpp then reads the file and gives transformers' logits."""
+    pytest.importorskip("llama_cpp")
+    import numpy as np
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from ftcore_plugins.common.run_model import load_gguf
+
+    if not (SHARED / "tokenizers" / "qwen25").exists():
+        pytest.skip("../shared fixtures absent")
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen25")
+    config = AutoConfig.for_model("gpt_neox", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, vocab_size=len(tokenizer), max_position_embeddings=256)
+    assert config.rope_parameters["partial_rotary_factor"] == 0.25 and "rotary_pct" not in config.to_dict()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    result = llama_cpp_converter.convert(TREE, tmp_path, tmp_path / "neox.gguf", "f32", "neox")
+    assert result.returncode == 0, result.stderr[-2000:]
+    llm = load_gguf(tmp_path / "neox.gguf", n_ctx=64, verbose=False, logits_all=True)
+    assert llm.metadata["general.architecture"] == "gptneox"
+    assert llm.metadata["gptneox.rope.dimension_count"] == "4"  # a quarter of the head's 16
+    ids = tokenizer("Which word is an animal? red cat tree", add_special_tokens=False)["input_ids"]
+    llm.eval(ids)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(np.array(llm.scores[:len(ids)]) - expected).max() < 1e-3
+    llm.close()

@@ -162,6 +162,13 @@ def registered(tree: Path) -> frozenset[str]:
 
 # Runs the converter as its own command line does, with one addition: the end-of-turn token id, set on
 # the writer just before it writes the header (a key set twice keeps the last value).
+# Config keys the converter still reads by their old names, which transformers 5 folds into
+# ``rope_parameters`` (GPT-NeoX's and Cohere 2's share of rotated dimensions): old name -> its key there.
+# The converter reads a config through transformers (``AutoConfig(...).to_dict()``), which has dropped the old
+# name, so the runner puts it back in what the converter loaded: without, GPT-NeoX (Pythia) failed with a bare
+# ``KeyError: 'rotary_pct'``.
+LEGACY_ROPE_KEYS = {"rotary_pct": "partial_rotary_factor"}
+
 RUNNER = """
 import runpy, sys
 tree, eot, script = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -173,9 +180,24 @@ if eot:
         self.add_eot_token_id(int(eot))
         return write_header(self, *args, **kwargs)
     gguf.GGUFWriter.write_header_to_file = with_eot
+try:
+    from conversion.base import ModelBase  # the converter's own modules (llama.cpp since 2026)
+except ImportError:
+    ModelBase = None
+if ModelBase is not None:
+    load_hparams = ModelBase.load_hparams
+    def with_legacy_keys(*args, **kwargs):
+        config = load_hparams(*args, **kwargs)
+        for part in (config, config.get("text_config") or {}):
+            rope = part.get("rope_parameters") or {}
+            for old, new in %r.items():
+                if old not in part and isinstance(rope, dict) and new in rope:
+                    part[old] = rope[new]
+        return config
+    ModelBase.load_hparams = staticmethod(with_legacy_keys)
 sys.argv = sys.argv[3:]
 runpy.run_path(script, run_name="__main__")
-"""
+""" % (LEGACY_ROPE_KEYS,)
 
 
 def convert(tree: Path, model: Path, target: Path, outtype: str, name: str | None = None,

@@ -18,6 +18,7 @@ from ftcore.errors import FtcoreError
 from ftcore_plugins.common.chat import chosen_as_chat
 from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.common.prepare import data_origin, is_stream
+from ftcore_plugins.trainers._hybrid import hybrid_packing_problem
 from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.common.device_defaults import defaults, device_type, optimizer_for, training_device
@@ -59,6 +60,8 @@ class SFT(TrainChecks, TrainerMemory, Component):
         path = getattr(o, "packed_attention", "auto")
         if path != "auto" and (problem := path_problem(path, device_type())):
             problems.append(f"packed_attention: {problem}; use \"auto\" (the fastest path this machine runs)")
+        if getattr(o, "packing", False) and (problem := hybrid_packing_problem(plan)):
+            problems.append(problem)
         return problems
 
     def train(self, ctx: Any) -> dict[str, Any]:

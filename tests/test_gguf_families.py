@@ -278,7 +278,8 @@ def test_converter_is_unpacked_from_a_source_distribution(tmp_path, monkeypatch)
 def test_gpt_neox_converts_with_its_share_of_rotated_dimensions(tmp_path):
     """transformers 5 folds GPT-NeoX's ``rotary_pct`` into ``rope_parameters``, and llama.cpp's converter,
     reading the config through transformers, failed with a bare ``KeyError: 'rotary_pct'``. The converter's
-    runner puts the old key back; llama.cpp then reads the file and gives transformers' logits."""
+    runner puts the old key back; llama.cpp then reads the file and gives transformers' logits. A file cut
+    short is refused with llama.cpp's own reason."""
     pytest.importorskip("llama_cpp")
     import numpy as np
     import torch
@@ -307,3 +308,9 @@ def test_gpt_neox_converts_with_its_share_of_rotated_dimensions(tmp_path):
         expected = model(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(np.array(llm.scores[:len(ids)]) - expected).max() < 1e-3
     llm.close()
+    # A file llama.cpp cannot load: its own reason, from its log, not only llama-cpp-python's "Failed to load".
+    data = (tmp_path / "neox.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"Failed to load model from file: .*cut\.gguf: llama_model_load: error "
+                                         r"loading model: tensor '[^']+' data is not within the file bounds"):
+        load_gguf(tmp_path / "cut.gguf", verbose=False)

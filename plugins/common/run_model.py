@@ -352,12 +352,19 @@ class TransformersModel(Model):
                                seed=sampling.seed, encode=encode, **self._generate_args(sampling))
 
 
+GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml's enum ggml_log_level (NONE, DEBUG, INFO, WARN, ERROR, CONT)
+
+
 def load_gguf(file: Path | str, **kwargs: Any) -> Any:
     """``llama_cpp.Llama(file, **kwargs)`` with llama.cpp's extra CPU buffer types off (its weight
     repacking; AMX on Intel Xeons): with them, llama-cpp-python 0.3.36 segfaults evaluating the q8_0
     files of small models on an AMX CPU, while a plain CPU buffer computes the same logits (to 1e-2
-    of the f16 file's here). The switch is a model parameter ``Llama`` does not expose."""
+    of the f16 file's here). The switch is a model parameter ``Llama`` does not expose. A file llama.cpp
+    cannot load raises ``ValueError`` with llama.cpp's own reason from its log."""
+    import ctypes
+
     import llama_cpp
+    import llama_cpp._logger
     from llama_cpp import llama_cpp as lib
 
     default = lib.llama_model_default_params
@@ -369,10 +376,30 @@ def load_gguf(file: Path | str, **kwargs: Any) -> Any:
         return p
 
     lib.llama_model_default_params = params
+    errors: list[str] = []
+    level = [0]
+
+    @lib.llama_log_callback
+    def keep_errors(at: int, text: bytes, user_data: Any) -> None:
+        # llama.cpp says why a file does not load in its log (ggml's GGML_LOG_LEVEL_ERROR, 4; continued at
+        # 5), and llama-cpp-python raises only "Failed to load model from file" (its logger's table still
+        # has ggml's older levels, so it takes errors for debug lines); its logger still gets every line.
+        if at == GGML_LOG_ERROR or (at == GGML_LOG_CONT and level[0] == GGML_LOG_ERROR):
+            errors.append(text.decode("utf-8", "replace"))
+        level[0] = at if at != GGML_LOG_CONT else level[0]
+        llama_cpp._logger.llama_log_callback(at, text, user_data)
+
+    lib.llama_log_set(keep_errors, ctypes.c_void_p(0))
     try:
         return llama_cpp.Llama(str(file), **kwargs)
+    except ValueError as exc:
+        reason = " ".join("".join(errors).split())
+        if reason:
+            raise ValueError(f"{exc}: {reason}") from exc
+        raise
     finally:
         lib.llama_model_default_params = default
+        lib.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 class LlamaCppModel(Model):

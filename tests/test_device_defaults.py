@@ -95,6 +95,8 @@ def test_triton_paths_need_a_c_compiler(monkeypatch, tmp_path):
     note = passed_over("auto", Model(), "cuda", path)
     assert note.startswith("not varlen: ") and "; not flex: flex attention is compiled to Triton kernels" in note
     assert loss_kernel_for("cuda") == "chunked"  # Liger "installed", but no compiler for it
+    Model.config._attn_implementation = "eager"  # the plan's own kernel: its path, nothing passed over
+    assert choose_path("auto", Model(), "cuda") == "eager" and passed_over("auto", Model(), "cuda", "eager") is None
 
 
 def _installed(module: str) -> bool:

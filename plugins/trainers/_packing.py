@@ -164,14 +164,17 @@ def choose_path(option: str, model: Any, device: str) -> str:
 
 
 def passed_over(option: str, model: Any, device: str, path: str) -> str | None:
-    """Why ``auto`` did not take the paths the device prefers to ``path`` (one clause each), or None."""
-    if option != "auto":
+    """Why ``auto`` did not take the paths the device prefers to ``path`` (one clause each), or None (nothing
+    passed over, or the path is the model's own kernel's, which the plan chose)."""
+    kernel = getattr(getattr(model, "config", None), "_attn_implementation", None) or "eager"
+    if option != "auto" or kernel != "sdpa":
         return None
     reasons = []
     for candidate, why in _auto_paths(model, device):
         if candidate == path:
             break
-        reasons.append(f"not {candidate}: {why}")
+        if why is not None:
+            reasons.append(f"not {candidate}: {why}")
     return "; ".join(reasons) or None
 
 

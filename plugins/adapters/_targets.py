@@ -25,6 +25,7 @@ attention and MLP output layers share a name; parameters as at least their modul
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -229,6 +230,78 @@ def gate_reason(module: Any, *, routing: str | None, experts: set[int], head_dim
     return None
 
 
+# A layer's weight read for what it is, not as an operand: these reads see no adapter's change either way.
+_WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|numel|dim|is_\w+|"
+                          r"requires_grad|data_ptr|element_size)\b)")
+
+
+def _weights_read_directly(owner_class: type) -> frozenset[str]:
+    """The names of the layers whose ``.weight`` a module class's own code uses as an operand
+    (``self.out_proj.weight`` handed to a fused Mamba kernel, ``self.dt_proj.weight @ x`` in Jamba's), read
+    from its source (and its bases' up to torch's ``Module``); empty when the source cannot be read."""
+    cached = _WEIGHT_READS.get(owner_class)
+    if cached is None:
+        import inspect
+
+        import torch
+
+        names: set[str] = set()
+        for cls in owner_class.__mro__:
+            if cls is torch.nn.Module or cls is object or cls.__module__.startswith("torch."):
+                continue
+            try:
+                names |= set(_WEIGHT_READ.findall(inspect.getsource(cls)))
+            except (OSError, TypeError):
+                pass
+        cached = _WEIGHT_READS[owner_class] = frozenset(names)
+    return cached
+
+
+_WEIGHT_READS: dict[type, frozenset[str]] = {}
+
+
+def unadaptable_reason(model: Any, path: str, *, lora: bool = True) -> str | None:
+    """Why no preset adapts this linear layer although it is one, or None:
+
+    - peft refuses it on this model (its check for target modules, as peft's ``inject_adapter`` runs it:
+      on the Mamba families it knows, ``out_proj`` and ``conv1d``), asked of peft with a probe config of the
+      adapter's kind (LoRA when ``lora``, else IA3);
+    - the module holding it reads its weight directly (a fused Mamba kernel handed ``out_proj.weight``,
+      Jamba's ``dt_proj.weight @ x``): on that path an adapter wrapping the layer is never called, so it
+      would neither train nor change the output, whatever the family.
+
+    Decided from the loaded module and from peft, not from a list of families: a plan can still name such a
+    layer explicitly (peft then refuses it, or it is adapted as asked)."""
+    parent_path, _, leaf = path.rpartition(".")
+    refusal = _peft_refusal(model, leaf, lora=lora)
+    if refusal:
+        return refusal
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if leaf in _weights_read_directly(type(parent)):
+        return f"weight read directly by {type(parent).__name__}"
+    return None
+
+
+def _peft_refusal(model: Any, leaf: str, *, lora: bool) -> str | None:
+    """peft's one-line reason for refusing a target named ``leaf`` on ``model``, shortened; None when it
+    takes it (or this peft has no such check)."""
+    try:
+        from peft import IA3Config, LoraConfig
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:
+        return None
+    check = getattr(BaseTuner, "_check_target_module_compatiblity", None)
+    if check is None:
+        return None
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    probe = LoraConfig(target_modules=[leaf]) if lora else IA3Config(target_modules=[leaf], feedforward_modules=[])
+    try:
+        check(None, probe, model, leaf)  # uses no tuner state: peft's rule for (model, target name)
+    except ValueError:
+        return f"peft refuses it on {model_type}"
+    return None
+
+
 def _routers(model: Any, experts: set[int], blocks: list[str]) -> list[str]:
     """Routers that are not linear layers (transformers 5's ``TopKRouter``): modules torch does not define,
     inside an MoE block but outside its experts, whose own 2-D ``weight`` has one row per expert. Never a
@@ -328,7 +401,7 @@ def resolve(model: Any, spec: str | list[str], *, label: str = "target_modules",
         for path in linear:
             if spec == "all-linear" or kind_of(path) == spec:
                 why = gate_reason(linear[path], routing=routing(path), experts=counts, head_dim=head_dim,
-                                  heads=heads, width=width)
+                                  heads=heads, width=width) or unadaptable_reason(model, path, lora=parameters)
                 if why:
                     frozen[path] = why
                 else:

@@ -36,7 +36,9 @@ def test_generate_reproduces_the_runs_evaluation(quickstart_run, tmp_path):
     assert [r["answer"] for r in rows] == [p["prediction"] for p in predictions]
     assert [r["reference"] for r in rows] == [p["reference"] for p in predictions]
     score = sum(r["answer"].lower() == r["reference"].lower() for r in rows) / len(rows)
-    assert score == after["exact_match"] == 1.0
+    # The run's own score, whatever it is: the quickstart's varies with threads and load (test_quickstart
+    # holds its floor), and generate must reproduce it.
+    assert score == after["exact_match"] >= 0.5
     assert f"{score:.4f} ignoring case and spaces" in result.stderr
 
     # The base model, rebuilt from the run's files, answers as the evaluator saw it before training.

@@ -151,6 +151,45 @@ def run_ftcore(plan_path: Path) -> dict[str, Any]:
         return Runner(plan, pm, Console(file=sink, force_terminal=True, width=120)).run()
 
 
+# One sft stage of the ``hf`` loader on a saved model and chat rows: the plan of the GPU benchmarks' ftcore
+# arms (gpu_throughput.py, gpu_smoke.py); ``{stage_extra}`` adds the arm's options.
+HF_SFT_PLAN = """
+[run]
+name = "{name}"
+seed = 7
+output_dir = "runs"
+
+[model]
+use = "hf"
+path = "{model}"
+dtype = "{dtype}"
+{model_extra}
+
+{quantizer}
+
+[template]
+use = "chatml"
+
+[data.rows]
+use = "jsonl"
+path = "{rows}"
+
+[[stage]]
+name = "sft"
+trainer = "sft"
+data = "rows"
+adapter = {adapter}
+max_steps = {max_steps}
+batch_size = {batch_size}
+max_length = {max_length}
+learning_rate = {learning_rate}
+logging_steps = 1
+save_steps = 1000000
+packing = {packing}
+{stage_extra}
+"""
+
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 

@@ -51,7 +51,8 @@ from typing import Any, Callable  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import PRELOAD, ROOT, SHARED, in_child, machine, preload, probe, quiet, run_ftcore  # noqa: E402
+from _bench import HF_SFT_PLAN, PRELOAD, ROOT, SHARED, in_child, machine, preload, probe, quiet, \
+    run_ftcore  # noqa: E402
 
 STEPS = 5
 CONFIG = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,42 +70,6 @@ ARMS = {
     "qlora-unpacked": ("qlora", False, "", False, True),
     "lora-packed-liger": ("lora", True, "liger = true", True, False),  # Liger's layer kernels: CUDA only
 }
-PLAN = """
-[run]
-name = "{name}"
-seed = 7
-output_dir = "{runs}"
-
-[model]
-use = "hf"
-path = "{model}"
-dtype = "{dtype}"
-
-{quantizer}
-
-[template]
-use = "chatml"
-
-[data.rows]
-use = "jsonl"
-path = "{rows}"
-
-[[stage]]
-name = "sft"
-trainer = "sft"
-data = "rows"
-adapter = {adapter}
-max_steps = {steps}
-batch_size = {batch_size}
-max_length = {max_length}
-learning_rate = 1e-3
-logging_steps = 1
-save_steps = 1000000
-packing = {packing}
-{extra}
-"""
-
-
 class Checks:
     """Each check's line on stdout and in the JSON lines, as it finishes; failures counted."""
 
@@ -197,11 +162,11 @@ def train_arm(name: str, model_dir: Path, rows: Path, work: Path, gpu: bool, max
     method, packing, extra, _, checks_defaults = ARMS[name]
     adapter = '"full"' if method == "full" else '{ use = "lora", r = 8, lora_alpha = 16 }'
     plan = work / f"{name}.toml"
-    plan.write_text(PLAN.format(name=name, runs=work / "runs", model=model_dir, rows=rows,
-                                dtype="bfloat16" if gpu else "float32",
-                                quantizer='[quantizer]\nuse = "bnb-nf4"' if method == "qlora" else "",
-                                adapter=adapter, steps=STEPS, batch_size=batch_size, max_length=max_length,
-                                packing="true" if packing else "false", extra=extra))
+    plan.write_text(HF_SFT_PLAN.format(
+        name=name, model=model_dir, rows=rows, dtype="bfloat16" if gpu else "float32", model_extra="",
+        quantizer='[quantizer]\nuse = "bnb-nf4"' if method == "qlora" else "", adapter=adapter, max_steps=STEPS,
+        batch_size=batch_size, max_length=max_length, learning_rate=1e-3, packing="true" if packing else "false",
+        stage_extra=extra))
     run_dir = Path(run_ftcore(plan)["run_dir"])
     losses, chosen = [], {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():

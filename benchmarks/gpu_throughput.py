@@ -147,8 +147,8 @@ from typing import Any  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench  # noqa: E402
-from _bench import PRELOAD, ROOT, SHARED, error_text, in_child, machine, preload, probe, quiet, \
-    run_ftcore  # noqa: E402
+from _bench import HF_SFT_PLAN, PRELOAD, ROOT, SHARED, error_text, in_child, machine, preload, probe, \
+    quiet, run_ftcore  # noqa: E402
 
 ARCHITECTURES = {  # transformers LlamaConfig fields
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -194,42 +194,6 @@ LEARNING_RATE = 2e-4
 BASELINES = ("baseline", "baseline-packed")
 TIER = {"baseline": 0, "ftcore": 0, "baseline-packed": 1}  # the rest (option arms): 2
 
-PLAN = """
-[run]
-name = "{name}"
-seed = 7
-output_dir = "runs"
-
-[model]
-use = "hf"
-path = "{model}"
-dtype = "{dtype}"
-{model_extra}
-
-{quantizer}
-
-[template]
-use = "chatml"
-
-[data.rows]
-use = "jsonl"
-path = "{rows}"
-
-[[stage]]
-name = "sft"
-trainer = "sft"
-data = "rows"
-adapter = {adapter}
-max_steps = {max_steps}
-batch_size = {batch_size}
-max_length = {max_length}
-learning_rate = {learning_rate}
-logging_steps = 1
-save_steps = 1000000
-packing = {packing}
-gradient_checkpointing = true
-{stage_extra}
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,12 +453,12 @@ def ftcore_arm(run: Run, arm: str, folder: Path, args, gpu: bool) -> dict[str, s
     adapter = '"full"' if run.method == "full" else \
         "{{ use = \"lora\", r = {r}, lora_alpha = {lora_alpha}, lora_dropout = {lora_dropout} }}".format(**LORA)
     plan = run.work / f"{arm.replace('+', '-')}.toml"
-    plan.write_text(PLAN.format(name=arm.replace("+", "-"), model=folder, dtype="bfloat16" if gpu else "float32",
-                                model_extra=option.model, stage_extra=option.stage, rows=run.rows,
-                                packing="true" if option.packed else "false",
-                                quantizer='[quantizer]\nuse = "bnb-nf4"' if run.method == "qlora" else "",
-                                adapter=adapter, max_steps=args.steps, batch_size=run.batch_size,
-                                max_length=run.max_length, learning_rate=LEARNING_RATE))
+    plan.write_text(HF_SFT_PLAN.format(
+        name=arm.replace("+", "-"), model=folder, dtype="bfloat16" if gpu else "float32", model_extra=option.model,
+        stage_extra="gradient_checkpointing = true\n" + option.stage, rows=run.rows,
+        packing="true" if option.packed else "false",
+        quantizer='[quantizer]\nuse = "bnb-nf4"' if run.method == "qlora" else "", adapter=adapter,
+        max_steps=args.steps, batch_size=run.batch_size, max_length=run.max_length, learning_rate=LEARNING_RATE))
     return resolved(Path(run_ftcore(plan)["run_dir"]) / "metrics.jsonl")
 
 

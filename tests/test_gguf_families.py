@@ -297,8 +297,8 @@ def test_gpt_neox_converts_with_its_share_of_rotated_dimensions(tmp_path):
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    result = llama_cpp_converter.convert(TREE, tmp_path, tmp_path / "neox.gguf", "f32", "neox")
-    assert result.returncode == 0, result.stderr[-2000:]
+    [why], result = llama_cpp_converter.convert(TREE, [(tmp_path, tmp_path / "neox.gguf", "f32")], "neox")
+    assert why is None, result.stderr[-2000:]
     llm = load_gguf(tmp_path / "neox.gguf", n_ctx=64, verbose=False, logits_all=True)
     assert llm.metadata["general.architecture"] == "gptneox"
     assert llm.metadata["gptneox.rope.dimension_count"] == "4"  # a quarter of the head's 16

@@ -1,10 +1,12 @@
 """Which layers an adapter adapts: ``target_modules`` presets resolved against the loaded model.
 
-Presets work on any causal LM transformers builds, whatever it names its layers:
+Presets work on any causal LM transformers builds, and on the T5 and BART encoder-decoders, whatever they
+name their layers:
 
 - ``all-linear``: every linear layer (``nn.Linear``, and GPT-2's ``Conv1D``) except the output head;
 - ``attention``: the linear layers inside an attention block (a path part containing ``attn`` or ``attention``);
-- ``mlp``: the linear layers inside an MLP block (``mlp``, ``feed_forward``, ``ffn``, ``moe``, ``experts``).
+- ``mlp``: the linear layers inside an MLP block (``mlp``, ``feed_forward``, ``ffn``, ``moe``, ``experts``; T5's
+  ``DenseReluDense``, ``DenseGatedActDense``).
 
 Embedding layers and the output head (``lm_head``) are never in a preset; name them in an explicit list to
 adapt them. An explicit list uses peft's rule: an entry matches a module whose path is the entry or ends
@@ -31,11 +33,12 @@ from typing import Any
 
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.experts import expert_parameters, is_torch_layer  # noqa: F401 - expert_parameters re-exported
 from ftcore_plugins.common.vision import vision_parts  # a VLM's tower and projector (re-exported)
 
 PRESETS = ("all-linear", "attention", "mlp")
 ATTENTION_WORDS = ("attn", "attention")
-MLP_WORDS = ("mlp", "feed_forward", "ffn", "moe", "experts")
+MLP_WORDS = ("mlp", "feed_forward", "ffn", "moe", "experts", "densereludense", "densegatedactdense")  # T5's last two
 
 
 @dataclass
@@ -131,32 +134,6 @@ def linear_names(model: Any) -> list[str]:
     return shortest_names(list(linear_modules(model, with_head=True)), every)
 
 
-def _is_torch_layer(module: Any) -> bool:
-    """A layer of torch's kinds (Linear, Conv1d, Embedding, norms; transformers' subclasses, GPT-2's
-    Conv1D): its weight is the layer's, neither an expert's nor a router's."""
-    import torch
-
-    return type(module).__module__.startswith("torch.nn") or isinstance(
-        module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd, _conv1d_class()))
-
-
-def expert_parameters(model: Any) -> dict[str, Any]:
-    """The routed experts' weights stored as parameters, by path (``model.layers.0.mlp.experts.gate_up_proj``),
-    in model order: each 3-D floating-point parameter (experts x in x out, in either order) of a module that
-    torch does not define (a Conv1d's kernel is 3-D too) and that a path part or its class name marks as
-    experts (``mlp.experts``, JetMoE's ``JetMoeParallelExperts``)."""
-    found = {}
-    for path, module in model.named_modules():
-        if _is_torch_layer(module):
-            continue
-        if "expert" not in type(module).__name__.lower() and not any("expert" in p for p in path.lower().split(".")):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            if param.dim() == 3 and param.is_floating_point():
-                found[f"{path}.{name}" if path else name] = param
-    return found
-
-
 def _expert_counts(model: Any, experts: dict[str, Any]) -> tuple[set[int], list[str]]:
     """How many experts the model's MoE blocks have (the first dimension of the expert parameters, the
     length of lists of experts: ``experts.0.gate_proj``, ...), and the paths of those blocks: the modules
@@ -230,9 +207,10 @@ def gate_reason(module: Any, *, routing: str | None, experts: set[int], head_dim
     return None
 
 
-# A layer's weight read for what it is, not as an operand: these reads see no adapter's change either way.
-_WEIGHT_READ = re.compile(r"self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|numel|dim|is_\w+|"
-                          r"requires_grad|data_ptr|element_size)\b)")
+# A layer's weight read for what it is, not as an operand: these reads see no adapter's change either way
+# (nor does a type check, T5's ``isinstance(self.wo.weight, torch.Tensor)`` before it casts to the weight's dtype).
+_WEIGHT_READ = re.compile(r"(?<!isinstance\()self\.(\w+)\.weight\b(?!\s*\.\s*(?:dtype|device|shape|size|ndim|numel|"
+                          r"dim|is_\w+|requires_grad|data_ptr|element_size)\b)")
 
 
 def _weights_read_directly(owner_class: type) -> frozenset[str]:
@@ -309,7 +287,7 @@ def _routers(model: Any, experts: set[int], blocks: list[str]) -> list[str]:
     out = []
     for path, module in model.named_modules():
         block = next((b for b in blocks if path.startswith(b + ".")), None)
-        if block is None or "expert" in path[len(block) + 1:].lower() or _is_torch_layer(module):
+        if block is None or "expert" in path[len(block) + 1:].lower() or is_torch_layer(module):
             continue
         weight = module._parameters.get("weight")
         if weight is not None and weight.dim() == 2 and weight.shape[0] in experts:
@@ -323,7 +301,7 @@ def parameter_candidates(model: Any) -> dict[str, Any]:
     layer's weight is named in ``target_modules`` instead."""
     found = dict(expert_parameters(model))
     for path, module in model.named_modules():
-        weight = module._parameters.get("weight") if not _is_torch_layer(module) else None
+        weight = module._parameters.get("weight") if not is_torch_layer(module) else None
         if weight is not None and weight.dim() == 2 and weight.is_floating_point():
             found.setdefault(f"{path}.weight" if path else "weight", weight)
     order = {p: i for i, (p, _) in enumerate(model.named_parameters())}

@@ -10,6 +10,7 @@ import ftcore
 from ftcore.component import Options
 
 from ftcore_plugins.adapters.lora import PeftAdapter, TargetModules
+from ftcore_plugins.common.seq2seq import peft_task_type
 
 
 class Ia3Adapter(PeftAdapter):
@@ -41,7 +42,7 @@ class Ia3Adapter(PeftAdapter):
             ctx.reporter.warn(f"adapter {self.name}: this model's experts are parameters "
                               f"({', '.join(parameter_names(experts, model))}), which IA3 cannot scale: they stay "
                               "frozen; adapter \"lora\" adapts them")
-        return IA3Config(task_type="CAUSAL_LM", target_modules=targets.names,
+        return IA3Config(task_type=peft_task_type(model), target_modules=targets.names,
                          feedforward_modules=targets.feedforward, fan_in_fan_out=targets.conv1d,
                          modules_to_save=o.modules_to_save)
 

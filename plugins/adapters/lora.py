@@ -17,6 +17,7 @@ from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.model import report_trainable
+from ftcore_plugins.common.seq2seq import peft_task_type
 from ftcore_plugins.common.tokens import expose_head_bias, train_added_tokens
 
 Preset = Literal["all-linear", "attention", "mlp"]
@@ -186,7 +187,7 @@ class LoraAdapter(PeftAdapter):
                                   "models, and this one has no vision tower")
             if o.train_projector:
                 save = [*(save or []), *projector]
-        return LoraConfig(task_type="CAUSAL_LM", r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
+        return LoraConfig(task_type=peft_task_type(model), r=o.r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout,
                           target_modules=names, target_parameters=parameters or None,
                           fan_in_fan_out=targets.conv1d, bias=o.bias, modules_to_save=save, **kwargs)
 

@@ -16,6 +16,7 @@ from ftcore.errors import FtcoreError
 
 from ftcore_plugins.adapters.lora import PeftAdapter
 from ftcore_plugins.common.model import resolve_model_path
+from ftcore_plugins.common.seq2seq import plan_encoder_decoder, refusal
 
 MERGING_EXPORTERS = ("merged", "onnx", "gguf")
 
@@ -37,6 +38,9 @@ class PromptLearningAdapter(PeftAdapter):
         index = next((i for i, s in enumerate(plan.stages) if s.adapter.options is self.options), None)
         if index is None:
             return problems
+        if family := plan_encoder_decoder(plan):  # the sft path trains these on causal LMs only (with_loss)
+            problems.append(refusal(f"adapter '{self.name}'", family, "ftcore places its virtual tokens in a causal "
+                                    "LM's input", "use adapter \"lora\" or \"full\""))
         stage = plan.stages[index]
         why = (f"{self.name} trains virtual tokens, not weights, so it cannot be merged into the model")
         if index + 1 < len(plan.stages) and not _same(plan.stages[index + 1].adapter, stage.adapter):

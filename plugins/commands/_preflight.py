@@ -77,6 +77,8 @@ def collate(rows: Any, indices: Any, tokenizer: Any) -> dict[str, Any]:
     ids = [rows[i]["input_ids"] for i in indices]
     labels = [rows[i]["labels"] for i in indices]
     width, pad = max(map(len, ids)), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # An encoder-decoder's labels (the answer) are a sequence of their own: padded to their own width.
+    answers = max(map(len, labels))
     return {"input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in ids]),
             "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids]),
-            "labels": torch.tensor([r + [-100] * (width - len(r)) for r in labels])}
+            "labels": torch.tensor([r + [-100] * (answers - len(r)) for r in labels])}

@@ -12,6 +12,7 @@ from ftcore.command import Command
 from ftcore.errors import ComponentError, FtcoreError
 
 from ftcore_plugins.commands._preflight import collate, supervised_rows
+from ftcore_plugins.common.seq2seq import is_encoder_decoder
 
 
 class CheckCommand(Command):
@@ -91,7 +92,8 @@ def check_stage(runner: Any, stage: Any, work: Path, args: argparse.Namespace, c
     if rows is None:
         console.print(f"trainer '{stage.trainer.name}' learns from answers it generates: no labelled rows to check")
         return []
-    show_rows(rows, tokenizer, args.rows, console)
+    seq2seq = is_encoder_decoder(model)
+    show_rows(rows, tokenizer, args.rows, console, seq2seq=seq2seq)
     if not stage.trains_policy:
         console.print(f"trainer '{stage.trainer.name}' trains a model of its own: its rows are checked, not its steps")
         return []
@@ -149,7 +151,7 @@ def check_stage(runner: Any, stage: Any, work: Path, args: argparse.Namespace, c
     if not supervised:
         console.print(f"overfit: not run for trainer '{stage.trainer.name}' (a preference loss)")
         return failures
-    trained = int((batch["labels"][:, 1:] != -100).sum())
+    trained = int((batch["labels"][:, 0 if seq2seq else 1:] != -100).sum())  # a causal LM's first is no target
     console.print(f"overfit one batch of {len(batch['input_ids'])} rows ({trained} trained tokens), {steps} steps at "
                   f"learning_rate {lr:g}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", highlight=False, soft_wrap=True)
     if losses[-1] > args.threshold * losses[0]:
@@ -159,9 +161,20 @@ def check_stage(runner: Any, stage: Any, work: Path, args: argparse.Namespace, c
     return failures
 
 
-def show_rows(rows: Any, tokenizer: Any, n: int, console: Any) -> None:
-    """The first ``n`` rows as the model reads them: trained tokens in green, the rest dimmed."""
+def show_rows(rows: Any, tokenizer: Any, n: int, console: Any, seq2seq: bool = False) -> None:
+    """The first ``n`` rows as the model reads them: trained tokens in green, the rest dimmed; an
+    encoder-decoder's prompt (its encoder's input, dimmed), then its answer (the labels, in green)."""
     from rich.text import Text
+
+    if seq2seq:
+        console.print(Text.assemble(("prompt (encoder)", "dim"), " -> ", ("answer (decoder, trained)", "bold green")))
+        for i in range(min(n, len(rows))):
+            ids, labels = rows[i]["input_ids"], rows[i]["labels"]
+            console.print(f"row {i + 1}: {len(ids)} prompt tokens, {len(labels)} trained", style="bold",
+                          highlight=False)
+            console.print(Text.assemble((tokenizer.decode(ids), "dim"), " -> ",
+                                        (tokenizer.decode(labels), "bold green")), soft_wrap=True)
+        return
 
     images = getattr(rows, "image_ids", set())  # rows with images: their image tokens, shown as one run each
     console.print(Text.assemble(("trained", "bold green"), " / ", ("not trained", "dim"),

@@ -37,6 +37,8 @@ quantizer      ``weight_bytes(model) -> int``                    ``load_kwargs()
 quantizer      ``step_bytes(model, *, device) -> int``           0: what a training step needs for
                                                                  the quantized weights, beyond the
                                                                  activations
+quantizer      ``weight_notes(model) -> list[str]``              none: what its weights count that a
+                                                                 reader may not expect
 adapter        ``apply_meta(model, ctx)``, else ``apply``        every parameter trainable (an
                                                                  upper bound, with a note)
 trainer        ``memory_settings(*, device) -> dict``            options named ``batch_size``,
@@ -109,6 +111,7 @@ class StageEstimate:
     notes: list[str] = field(default_factory=list)
     residue: int = 0  # checkpoint pages the loader leaves resident (host memory; part of overhead on CPU)
     compute_params: int = 0  # the weights a token multiplies: all but the input embedding (a tied head once)
+    moe: dict[str, int] | None = None  # a mixture of experts' total and active parameters (common/estimate.py)
 
     @property
     def total(self) -> int:
@@ -140,7 +143,9 @@ class Estimate:
             terms = {t: getattr(s, t) for t in TERMS}
             stages.append({
                 "stage": s.stage, "trainer": s.trainer, "adapter": s.adapter, **asdict(s.settings),
-                "params": {"total": s.total_params, "trainable": s.trainable_params},
+                "params": {"total": s.total_params, "trainable": s.trainable_params,
+                           **({"model": s.moe["total"], "active": s.moe["active"], "experts_per_token":
+                               s.moe["per_token"], "experts": s.moe["experts"]} if s.moe else {})},
                 "bytes": {**terms, "total": s.total},
                 "mib": {k: round(v / MiB, 1) for k, v in {**terms, "total": s.total}.items()},
                 "fits": self.fits(s), "sources": s.sources, "notes": s.notes,
@@ -268,13 +273,20 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     settings = _settings(stage, trainer, device, calling, sources, notes)
 
     model, config = _meta_model(plan, loader, calling, sources)
-    compute_params = _compute_params(model)
+    from ftcore_plugins.common.estimate import moe_parameters
+
+    moe = moe_parameters(model, config)
+    compute_params = _compute_params(model, moe)
     notes += _vision_notes(model)
     prepare = _optional(quantizer, "prepare_meta")
     if prepare is not None:
         with calling(plan.quantizer, "prepare_meta"):
             model = _call(prepare, model, device=device)
     weights = _weight_bytes(plan, quantizer, model, loader, calling, sources, notes)
+    fn = _optional(quantizer, "weight_notes")
+    if fn is not None:
+        with calling(plan.quantizer, "weight_notes"):
+            notes += [str(n) for n in fn(model) or []]
     step = 0
     fn = _optional(quantizer, "step_bytes")
     if fn is not None:
@@ -353,7 +365,7 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     return StageEstimate(stage.name, stage.trainer.name, _adapter_label(stage.adapter), settings,
                          sum(p.numel() for p in params) if params else total_before,
                          sum(p.numel() for p in trainable), weights, gradients, optimizer, activations,
-                         sources=sources, notes=notes, residue=residue, compute_params=compute_params)
+                         sources=sources, notes=notes, residue=residue, compute_params=compute_params, moe=moe)
 
 
 def _vision_notes(model: Any) -> list[str]:
@@ -374,10 +386,10 @@ def _vision_notes(model: Any) -> list[str]:
             "image's patches through its layers) are not modeled"]
 
 
-def _compute_params(model: Any) -> int:
+def _compute_params(model: Any, moe: dict[str, int] | None = None) -> int:
     """Parameters a token's forward multiplies: all but the input embedding (a lookup), with an
-    output head tied to it counted once."""
-    total = sum(p.numel() for p in model.parameters())
+    output head tied to it counted once; of a mixture of experts (``moe``), the active ones only."""
+    total = moe["active"] if moe else sum(p.numel() for p in model.parameters())
     inputs = model.get_input_embeddings()
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if inputs is None:
@@ -547,6 +559,8 @@ def _data_bytes(plan: Any) -> int:
 
 # -- output -----------------------------------------------------------------------------------
 def stage_line(result: Estimate, s: StageEstimate) -> str:
+    from ftcore_plugins.common.estimate import moe_line
+
     st = s.settings
     fits = result.fits(s)
     verdict = "" if fits is None else (
@@ -555,7 +569,8 @@ def stage_line(result: Estimate, s: StageEstimate) -> str:
     return (f"stage {s.stage}: {human(s.total)} peak ({result.device}) = {terms}; {s.trainer}, {s.adapter}, "
             f"quantizer {result.quantizer}, batch {st.batch_size} x {st.seq_len} tokens, checkpointing "
             f"{'on' if st.gradient_checkpointing else 'off'}, {st.optimizer}, {st.precision}, "
-            f"{s.trainable_params:,} of {s.total_params:,} parameters trainable{verdict}")
+            f"{s.trainable_params:,} of {s.total_params:,} parameters trainable{verdict}"
+            + (f"; mixture of experts: {moe_line(s.moe)}" if s.moe else ""))
 
 
 def print_estimate(result: Estimate, console: Any) -> None:

@@ -45,6 +45,7 @@ class Answers:
     goal: str  # task, domain, alignment
     kl: str = "low"  # alignment only: how much staying close to the base model matters
     name: str = "run"
+    moe: str | None = None  # a mixture of experts' total and active parameters (moe_size), when its config is at hand
 
 
 def parse_gb(text: str) -> float:
@@ -130,6 +131,8 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
         "# Written by `ftcore init`. Every choice below says why; change anything, then run",
         "#   ftcore validate plan.toml && ftcore run plan.toml",
         *(f"# {line}" for line in (choice.why if choice else [])),
+        *([f"# Mixture of experts: {a.moe}.", "# Memory holds every expert; the compute per token follows the active "
+           "parameters."] if a.moe else []),
         "",
         "[run]",
         f'name = "{a.name}"',
@@ -296,6 +299,34 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
                           "more memory per GPU, or several GPUs with DeepSpeed ZeRO-3 (see docs/distributed.md)")
 
 
+def moe_size(model: str, home: Path, config: Path | None) -> str | None:
+    """The total and active parameters of a mixture-of-experts model whose config is at hand (``--config``, the
+    local folder's, or the local hub cache's: never the network), from the model built on the meta device; None
+    for a dense model, or without a config."""
+    file = config if config is not None else home / model / "config.json"
+    if not file.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not a hub id
+            return None
+        if not isinstance(cached, str):
+            return None
+        file = Path(cached)
+    try:
+        import torch
+        from transformers import CONFIG_MAPPING
+
+        from ftcore_plugins.common.estimate import meta_model_from_config, moe_line, moe_parameters
+
+        model_config = CONFIG_MAPPING[json.loads(file.read_text(encoding="utf-8"))["model_type"]].from_json_file(file)
+        moe = moe_parameters(meta_model_from_config(model_config, torch.float32), model_config)
+    except Exception:  # a config transformers cannot build (remote code): nothing to say
+        return None
+    return moe_line(moe) if moe else None
+
+
 def _variant(variant: tuple[int | None, str | None, bool]) -> str:
     r, optimizer, offload = variant
     return f"r {r or 16} with {optimizer or 'the default optimizer'}" + (", activations offloaded" if offload else "")
@@ -375,15 +406,18 @@ class InitCommand(Command):
                           goal=values["goal"], kl=kl, name=args.name or out.stem)
         if args.config is not None and not Path(args.config).is_file():
             raise FtcoreError(f"init: --config: no such file: {args.config}")
-        choice = fit(answers, out, Path(args.config) if args.config else None) if gb > 0 else None
+        config = Path(args.config) if args.config else None
+        answers.moe = moe_size(model, out.resolve().parent, config)
+        choice = fit(answers, out, config) if gb > 0 else None
         out.write_text(write_plan(answers, choice), encoding="utf-8")
+        moe = f"; mixture of experts: {answers.moe}" if answers.moe else ""
         if choice is not None:
             print(f"wrote {out}: {choice.method}, batch {choice.batch} x {choice.max_length} tokens (accumulating "
                   f"{choice.accumulation}), checkpointing {'on' if choice.checkpointing else 'off'}, fitted to "
-                  f"{gb:g} GB by ftcore estimate; {rows:,} rows; check it with: ftcore validate {out}")
+                  f"{gb:g} GB by ftcore estimate; {rows:,} rows{moe}; check it with: ftcore validate {out}")
         else:
             why = "CPU only" if gb == 0 else "the model's config is not at hand (give a local folder or --config)"
-            print(f"wrote {out}: {method(gb)[0]}, {rows:,} rows, not fitted ({why}); check it with: "
+            print(f"wrote {out}: {method(gb)[0]}, {rows:,} rows, not fitted ({why}){moe}; check it with: "
                   f"ftcore validate {out} and ftcore estimate {out}")
         return 0
 

@@ -195,7 +195,7 @@ class _Offsets:
 def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, train_on_inputs: bool = False,
            truncation: Truncation = "truncate_response", add_eos_to_text: bool = True, progress: Any = None,
            batch: int = 1000, on_error: str = "error", where: str = "data", first_row: int = 0,
-           sink: Any = None) -> tuple[dict[str, list], EncodeStats]:
+           sink: Any = None, seq2seq: bool = False) -> tuple[dict[str, list], EncodeStats]:
     """Tokenize rows into ``input_ids`` and ``labels`` lists, applying ``max_length`` by
     ``truncation``: cut the end of the response, cut the oldest prompt tokens from the
     left, or drop the sample. Samples left with nothing to learn are dropped and counted.
@@ -206,7 +206,16 @@ def encode(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None, 
     of a sample is trained, its ``labels`` is its ``input_ids`` list itself: copy it to change one.
 
     A row the template cannot render, or whose turns cannot be located, is an error naming
-    ``where``, the row and the template, or with ``on_error = "skip"`` a counted skip."""
+    ``where``, the row and the template, or with ``on_error = "skip"`` a counted skip.
+
+    ``seq2seq``: for an encoder-decoder model, ``input_ids`` the prompt and ``labels`` the answer
+    (:func:`ftcore_plugins.common.seq2seq.encode`)."""
+    if seq2seq:
+        from ftcore_plugins.common import seq2seq as _seq2seq
+
+        return _seq2seq.encode(rows, tokenizer, template, max_length=max_length, truncation=truncation,
+                               progress=progress, batch=batch, on_error=on_error, where=where, first_row=first_row,
+                               sink=sink)
     stats = EncodeStats()
     locator = SpanLocator(template, tokenizer)
     named = template_title(template)

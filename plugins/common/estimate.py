@@ -31,13 +31,15 @@ def meta_model_from_config(config: Any, dtype: Any, **kwargs: Any) -> Any:
     """A causal LM (or a vision-language model) built from ``config`` on the meta device: exact shapes,
     no memory."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from ftcore_plugins.common.seq2seq import auto_class
 
     vlm = getattr(config, "model_type", None) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and \
         getattr(config, "vision_config", None) is not None
-    with torch.device("meta"):
-        return (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config, dtype=dtype, **kwargs)
+    with torch.device("meta"):  # an encoder-decoder (T5, BART) as a seq2seq LM
+        return (AutoModelForImageTextToText if vlm else auto_class(config)).from_config(config, dtype=dtype, **kwargs)
 
 
 def _checkpoint_dtype(folder: Path) -> Any:
@@ -121,6 +123,67 @@ def scratch_meta_model(loader: Any) -> tuple[Any, Any]:
         vocab = o.vocab_size
     config = loader.model_config(vocab)
     return meta_model_from_config(config, torch.float32), config
+
+
+# -- mixture of experts ----------------------------------------------------------------------
+
+# The config fields that say how many routed experts a token goes through (transformers' names across
+# its MoE families; DBRX keeps it in a sub-config, ffn_config.moe_top_k).
+_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "moe_top_k", "moe_k", "experts_per_token")
+
+
+def experts_per_token(config: Any) -> int | None:
+    """How many routed experts each token goes through, from the (language model's) config or a sub-config."""
+    c = _text_config(config)
+    subs = [v for v in vars(c).values() if hasattr(v, "to_dict") and hasattr(v, "model_type")] if c is not None else []
+    for where in (c, *subs):
+        for name in _PER_TOKEN:
+            value = getattr(where, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def routed_experts(model: Any) -> list[tuple[int, int]]:
+    """Each block of routed experts in the model as (how many experts, their parameters), read from the
+    model itself: a module holding the experts as 3-D parameters (``mlp.experts``: every parameter of its own
+    with one row per expert, biases too), or a list of experts (``experts.0.gate_proj``, ...: everything in
+    it). Shared experts (``shared_expert``, ``shared_experts``) are not routed: every token uses them."""
+    import torch
+
+    from ftcore_plugins.common.experts import expert_parameters
+
+    holders: dict[str, int] = {}
+    for path, param in expert_parameters(model).items():
+        holders.setdefault(path.rpartition(".")[0], param.shape[0])
+    blocks = [(count, sum(p.numel() for p in model.get_submodule(path).parameters(recurse=False)
+                          if p.dim() and p.shape[0] == count)) for path, count in holders.items()]
+    for path, module in model.named_modules():
+        last = path.rsplit(".", 1)[-1].lower()
+        if isinstance(module, torch.nn.ModuleList) and "expert" in last and "shared" not in last and len(module) > 1:
+            blocks.append((len(module), sum(p.numel() for p in module.parameters())))
+    return blocks
+
+
+def moe_parameters(model: Any, config: Any) -> dict[str, int] | None:
+    """A mixture-of-experts model's parameters: ``total``, ``active`` (what one token goes through: everything
+    but the routed experts, and ``per_token`` of each block's ``experts``), ``routed`` (the routed experts' own).
+    None for a model without routed experts, or whose config does not say how many a token uses."""
+    blocks = routed_experts(model)
+    per_token = experts_per_token(config) if blocks else None
+    if not blocks or per_token is None:
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(n for _, n in blocks)
+    active = total - routed + sum(n * min(per_token, count) // count for count, n in blocks)
+    counts = sorted({count for count, _ in blocks})
+    return {"total": total, "active": active, "routed": routed, "per_token": per_token, "experts": counts[-1]}
+
+
+def moe_line(moe: dict[str, int]) -> str:
+    """``30,532,122,624 parameters, 3,353,032,704 active per token (8 of 128 routed experts)``."""
+    return (f"{moe['total']:,} parameters, {moe['active']:,} active per token ({moe['per_token']} of "
+            f"{moe['experts']} routed experts)")
 
 
 # -- bitsandbytes quantizers ---------------------------------------------------------------
@@ -376,15 +439,20 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
         "head_grad": 0,
         "cast_cache": 0,  # 16-bit copies of trainable fp32 matrices that autocast keeps through the forward
         "bnb_bits": getattr(model, BNB_BASE, 0) if model is not None else 0,
+        "expert_blocks": [],  # peft's LoRA on expert parameters: per experts module, (copy, kept) bytes a tensor
+        "expert_inputs": 0,  # bytes per token those adapted matmuls keep: each input, once per routed expert
     }
     if model is None:
         return found
+    wrapped = _expert_lora(model, found)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if getattr(emb, "weight", None) is not None:
         found["res"] = emb.weight.element_size()
     norms = [m for m in model.modules() if _is_norm(m)]
     found["norms_train"] = any(m.weight.requires_grad for m in norms) if norms else True
     for name, p in model.named_parameters():
+        if id(p) in wrapped:
+            continue
         if p.requires_grad and "lora_A" in name and p.dim() == 2:
             found["lora_outputs"] += p.shape[0]
             found["lora_inputs"] += p.shape[1]
@@ -401,7 +469,62 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
     return found
 
 
+def _expert_lora(model: Any, found: dict[str, Any]) -> set[int]:
+    """Fill ``found``'s expert terms from peft's ``ParamWrapper`` layers (LoRA through ``target_parameters``) on 3-D
+    expert parameters; the ids of their LoRA factors, which the per-layer LoRA count leaves out.
+
+    While its experts module runs, such a parameter reads as ``W + s B A`` for every expert at once (peft 0.21's
+    ``_LoraFactorsProxy``: one ``baddbmm`` over the whole expert stack, its factors cast to the weight's dtype),
+    which the experts' matmuls save for backward with their inputs (one row per routed token); backward then makes
+    its gradient, as large again. Each tensor is entered as (the copy's bytes, what it keeps: the copy and the
+    factors' cast copies where their dtype differs)."""
+    blocks: dict[int, dict[str, tuple[int, int]]] = {}
+    order: dict[int, list[str]] = {}
+    ids: set[int] = set()
+    per_token = experts_per_token(getattr(model, "config", None)) or 1
+    for module in model.modules():
+        if type(module).__name__ != "ParamWrapper":
+            continue
+        factors = [*module.lora_A.parameters(), *module.lora_B.parameters()]
+        ids |= {id(p) for p in factors}
+        param = module.get_param()
+        if param.dim() != 3:
+            continue
+        size = param.element_size()
+        copy = param.numel() * size
+        cast = sum(p.numel() for p in factors if p.dtype != param.dtype) * size
+        base = module.get_base_layer()
+        order.setdefault(id(base), [n for n, _ in base.named_parameters(recurse=False)])
+        blocks.setdefault(id(base), {})[module.parameter_name] = (copy, copy + cast)
+        found["expert_inputs"] += per_token * module.in_features * size
+    for key, sizes in blocks.items():  # in model order; each block's tensors in their declared (forward) order
+        found["expert_blocks"].append([sizes[n] for n in order[key] if n in sizes])
+    return ids
+
+
+def expert_lora_bytes(blocks: list[list[tuple[int, int]]], checkpointing: bool) -> int:
+    """The peak of peft's ``W + s B A`` copies (:func:`_expert_lora`) in one step. Backward takes a block's tensors
+    in reverse order: when it reaches one, that tensor's gradient (a copy's size) joins what the tensors not yet
+    backpropagated keep. Without checkpointing every block keeps its copies from the forward, so the last block's
+    backward sees them all; with it only the block being recomputed has any. On one Qwen3-30B-A3B block at 512
+    tokens the step's peak was 1,549 MiB above the frozen experts' in bf16 (this count and the inputs: 1,536 +
+    22 MiB), 3,050 MiB in fp32 (3,072 + 44): benchmarks/RESULTS.md, "Expert LoRA memory (issue #42)"."""
+    held = peak = 0
+    for tensors in blocks:
+        kept = 0
+        for copy, keeps in tensors:
+            kept += keeps
+            peak = max(peak, held + kept + copy)
+        if not checkpointing:
+            held += kept
+    return peak
+
+
 def _layer_bytes(dims: tuple, found: dict[str, Any], *, device: str, autocast: bool) -> float:
+    return _dense_layer_bytes(dims, found, device=device, autocast=autocast) + found["expert_inputs"] / dims[1]
+
+
+def _dense_layer_bytes(dims: tuple, found: dict[str, Any], *, device: str, autocast: bool) -> float:
     h, layers, heads, q_dim, kv_dim, inter, _ = dims
     res = found["res"]
     lin = 2 if autocast or res == 2 else 4  # what linear layers output
@@ -433,8 +556,10 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     then query, attention output, o_proj input and one more hidden-width tensor, key and value,
     and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
     on a 16-bit base a copy of each adapted layer's input in the adapter's dtype; on a 4-bit
-    bitsandbytes base where 16 bits are involved, :func:`_bnb_layer_bytes`. Under autocast, the
-    16-bit copies of the trainable fp32 weights that autocast caches through the forward. Then
+    bitsandbytes base where 16 bits are involved, :func:`_bnb_layer_bytes`. A LoRA on expert
+    parameters (peft's ``ParamWrapper``): the copies of :func:`expert_lora_bytes` and the experts'
+    inputs. Under autocast, the 16-bit copies of the trainable fp32 weights that autocast caches
+    through the forward. Then
     the loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM
     head. With checkpointing only each layer's input is kept, and one layer at a time is
     recomputed in backward, with its gradients.
@@ -488,8 +613,10 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     if checkpointing or offloaded:
         # Offloaded, the layers' inputs wait in host memory and come back one at a time for the backward.
         saved = (1 if offloaded else layers) * tokens * h * res + final_norm
-        return int(saved + max(head + cast_cache, 2 * per_layer) + retained)
-    return int(layers * per_layer + final_norm + head + cast_cache + retained)
+        experts = expert_lora_bytes(found["expert_blocks"], True)
+        return int(saved + max(head + cast_cache, 2 * per_layer + experts) + retained)
+    experts = expert_lora_bytes(found["expert_blocks"], False)
+    return int(layers * per_layer + final_norm + head + cast_cache + retained + experts)
 
 
 def _loss_kernel(trainer: Any, device: str) -> str:

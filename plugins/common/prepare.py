@@ -113,13 +113,15 @@ def template_fingerprint(template: Any, tokenizer: Any) -> str:
 def prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
             truncation: Truncation = "truncate_response", train_on_inputs: bool = False,
             add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
-            use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
+            use_cache: bool = True, on_error: str = "error", where: str = "data", seq2seq: bool = False) -> Prepared:
     """The rows tokenized and masked (cached); what the template could not do for them is warned
-    about once, with the counts (cached entries too): see :func:`template_notes`."""
+    about once, with the counts (cached entries too): see :func:`template_notes`. ``seq2seq``: for an
+    encoder-decoder model, the prompt as ``input_ids`` and the answer as ``labels`` (``common/seq2seq.py``)."""
     refuse_images(rows, where)
     prepared = _prepare(rows, tokenizer, template, max_length=max_length, truncation=truncation,
                         train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text, reporter=reporter,
-                        description=description, use_cache=use_cache, on_error=on_error, where=where)
+                        description=description, use_cache=use_cache, on_error=on_error, where=where,
+                        seq2seq=seq2seq)
     if reporter is not None:
         for note in template_notes(prepared.stats, template, tokenizer):
             reporter.warn(f"{where}: {note}")
@@ -149,17 +151,19 @@ def template_notes(stats: dict, template: Any, tokenizer: Any) -> list[str]:
 def _prepare(rows: Any, tokenizer: Any, template: Any, *, max_length: int | None,
              truncation: Truncation = "truncate_response", train_on_inputs: bool = False,
              add_eos_to_text: bool = True, reporter: Any = None, description: str = "tokenize",
-             use_cache: bool = True, on_error: str = "error", where: str = "data") -> Prepared:
+             use_cache: bool = True, on_error: str = "error", where: str = "data", seq2seq: bool = False) -> Prepared:
     quiet_library_progress_bars()
     options = {"max_length": max_length, "truncation": truncation, "train_on_inputs": train_on_inputs,
                "add_eos_to_text": add_eos_to_text, "on_error": on_error}
+    if seq2seq:  # only then, so that the causal entries' keys stay as they were
+        options["seq2seq"] = True
     key = hashlib.sha256(json.dumps({
         "version": DATA_LAYER_VERSION, "data": data_fingerprint(rows), "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": template_fingerprint(template, tokenizer), "options": options}, sort_keys=True).encode()
     ).hexdigest()
     encoding = dict(tokenizer=tokenizer, template=template, max_length=max_length, truncation=truncation,
                     train_on_inputs=train_on_inputs, add_eos_to_text=add_eos_to_text, on_error=on_error,
-                    where=where)
+                    where=where, seq2seq=seq2seq)
     if not use_cache:
         with tempfile.TemporaryDirectory(prefix="ftcore-tokenize-") as work:
             stats = encode_shards(rows, Path(work), encoding, reporter, description)

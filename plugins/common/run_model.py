@@ -167,8 +167,9 @@ class Run:
         return TransformersModel(stage, _on_device(model), tokenizer, self.runner.template)
 
     def _merged(self, name: str, path: Path) -> Model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
+        from ftcore_plugins.common.seq2seq import auto_class
         from ftcore_plugins.common.vlm import read_config, vision_model_type
 
         if vision_model_type(read_config(path)) is not None:  # a VLM, saved with its processor (docs/vision.md)
@@ -179,7 +180,7 @@ class Run:
             processor = AutoProcessor.from_pretrained(path)
             return TransformersModel(f"export {name}", _on_device(AutoModelForImageTextToText.from_pretrained(path)),
                                      attach_processor(processor.tokenizer, processor), self.runner.template)
-        model = AutoModelForCausalLM.from_pretrained(path)
+        model = auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path)  # a T5/BART as a seq2seq LM
         return TransformersModel(f"export {name}", _on_device(model), AutoTokenizer.from_pretrained(path),
                                  self.runner.template)
 
@@ -293,10 +294,15 @@ class TransformersModel(Model):
                 "pad_token_id": self.tokenizer.pad_token_id, **sampling.generate_kwargs()}
 
     def inputs(self, prompts: list[str], images: list[list] | None = None) -> Any:
-        """The model's inputs for rendered ``prompts``, left-padded (``images``: each prompt's image references)."""
+        """The model's inputs for rendered ``prompts``, left-padded (``images``: each prompt's image references);
+        an encoder-decoder's as its encoder read them in training (``common/seq2seq.py``)."""
+        from ftcore_plugins.common.seq2seq import encoder_batch, is_encoder_decoder
         from ftcore_plugins.common.vision import prompt_inputs
 
-        return prompt_inputs(self.tokenizer, prompts, images).to(next(self.model.parameters()).device)
+        device = next(self.model.parameters()).device
+        if is_encoder_decoder(self.model) and not images:
+            return encoder_batch(self.tokenizer, prompts).to(device)
+        return prompt_inputs(self.tokenizer, prompts, images).to(device)
 
     def prompt_tokens(self, prompt: str, images: list | None = None) -> int:
         return int(self.inputs([prompt], [images] if images else None)["input_ids"].shape[1])
@@ -355,6 +361,9 @@ class TransformersModel(Model):
 GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml's enum ggml_log_level (NONE, DEBUG, INFO, WARN, ERROR, CONT)
 
 
+_LOADING = threading.Lock()  # load_gguf's, below
+
+
 def load_gguf(file: Path | str, **kwargs: Any) -> Any:
     """``llama_cpp.Llama(file, **kwargs)`` with llama.cpp's extra CPU buffer types off (its weight
     repacking; AMX on Intel Xeons): with them, llama-cpp-python 0.3.36 segfaults evaluating the q8_0
@@ -367,6 +376,12 @@ def load_gguf(file: Path | str, **kwargs: Any) -> Any:
     import llama_cpp._logger
     from llama_cpp import llama_cpp as lib
 
+    # The switch and the log callback are process-wide: one load at a time, or a thread's reason goes to another.
+    with _LOADING:
+        return _load_gguf(file, llama_cpp, lib, ctypes, **kwargs)
+
+
+def _load_gguf(file: Path | str, llama_cpp: Any, lib: Any, ctypes: Any, **kwargs: Any) -> Any:
     default = lib.llama_model_default_params
 
     def params() -> Any:

@@ -21,6 +21,8 @@ from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 from ftcore.types import InputPath
 
+from ftcore_plugins.common.seq2seq import plan_encoder_decoder, refusal
+
 PIP_LM_EVAL = "pip install 'ftcore[lm-eval]'"
 
 
@@ -68,6 +70,9 @@ class LmEval(Component):
         batch_size: int = Field(8, ge=1)
 
     def check(self, plan) -> list[str]:
+        if family := plan_encoder_decoder(plan):  # lm-eval's seq2seq path is not one ftcore has checked
+            return [refusal(f"evaluator '{self.name}'", family, "ftcore runs lm-eval on causal LMs only",
+                            "use \"perplexity\" or \"exact_match\"")]
         if importlib.util.find_spec("lm_eval") is None:
             return [f"use: evaluator 'lm_eval' needs lm-eval (lm-evaluation-harness), which is not installed: "
                     f"{PIP_LM_EVAL}"]

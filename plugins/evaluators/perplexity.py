@@ -4,6 +4,8 @@ exp(total negative log-likelihood / total scored tokens), over every scored toke
 the data set, not a mean of per-batch or per-sample perplexities. Chat rows are scored
 on assistant tokens (what SFT trains); text rows on every token. Optionally the same
 sum is split by part (the prompt's tokens against the response's) and by row length.
+An encoder-decoder (T5, BART) is scored on the answer its decoder writes (the last assistant
+turn or the completion, and EOS); the prompt is its encoder's input, which it does not predict.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ftcore.types import Tokens
 
 from ftcore_plugins.common.chat import IGNORE
 from ftcore_plugins.common.prepare import prepare
+from ftcore_plugins.common.seq2seq import is_encoder_decoder
 
 
 @dataclass
@@ -52,13 +55,30 @@ def batch_scores(model, batch: dict, labels, device, never=None) -> list[RowScor
                      nll[row][prompt[row]].sum().item(), int(prompt[row].sum())) for row in range(len(ids))]
 
 
+def seq2seq_batch_scores(model, batch: dict, labels, device) -> list[RowScore]:
+    """The RowScore of each row for an encoder-decoder: the answer's tokens (``labels``, right-padded with
+    IGNORE) are scored from the decoder's logits, which the model aligns with them; its prompt is the
+    encoder's input, which it does not predict (no prompt part)."""
+    import torch
+
+    labels = labels.to(device)
+    logits = model(**{k: v.to(device) for k, v in batch.items()}, labels=labels, use_cache=False).logits.float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE,
+                                            reduction="none").cpu()
+    scored = (labels != IGNORE).cpu()
+    return [RowScore(int(batch["attention_mask"][row].sum() + scored[row].sum()), nll[row][scored[row]].sum().item(),
+                     int(scored[row].sum()), 0.0, 0) for row in range(len(labels))]
+
+
 def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[RowScore]:
-    """Per-row NLL sums over right-padded batches, in the order of ``columns``."""
+    """Per-row NLL sums over right-padded batches, in the order of ``columns``; for an encoder-decoder the
+    ids are its encoder's input and the labels the answer (``common/seq2seq.py``), padded apart."""
     import torch
 
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids_col, labels_col = columns["input_ids"], columns["labels"]
+    seq2seq = is_encoder_decoder(model)
     scores: list[RowScore | None] = [None] * len(ids_col)
     order = sorted(range(len(ids_col)), key=lambda i: len(ids_col[i]))  # similar lengths: little padding
     was_training = model.training
@@ -66,6 +86,15 @@ def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[Row
     with torch.no_grad():
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
+            if seq2seq:
+                ids, mask = _padded([ids_col[i] for i in idx], pad), _padded([[1] * len(ids_col[i]) for i in idx], 0)
+                labels = _padded([labels_col[i] for i in idx], IGNORE)
+                row_scores = seq2seq_batch_scores(model, {"input_ids": ids, "attention_mask": mask}, labels, device)
+                for i, row_score in zip(idx, row_scores):
+                    scores[i] = row_score
+                if progress is not None:
+                    progress.advance(len(idx))
+                continue
             width = max(len(ids_col[i]) for i in idx)
             ids = torch.full((len(idx), width), pad, dtype=torch.long)
             labels = torch.full((len(idx), width), IGNORE, dtype=torch.long)
@@ -82,6 +111,15 @@ def score(model, tokenizer, columns, batch_size: int, progress=None) -> list[Row
                 progress.advance(len(idx))
     model.train(was_training)
     return scores  # type: ignore[return-value]
+
+
+def _padded(rows: list[list[int]], value: int):
+    import torch
+
+    out = torch.full((len(rows), max(len(r) for r in rows)), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
 
 
 def score_images(model, encoder, rows, batch_size: int, progress=None) -> list[RowScore]:
@@ -149,7 +187,7 @@ class Perplexity(Component):
                 rows = score_images(model, encoder, data, self.options.batch_size, bar)
         else:
             prepared = prepare(data, ctx.tokenizer, ctx.template, max_length=self.options.max_length,
-                               reporter=ctx.reporter, description="tokenize")
+                               reporter=ctx.reporter, description="tokenize", seq2seq=is_encoder_decoder(model))
             columns = prepared.dataset.to_dict()
             with ctx.reporter.progress(f"{label} ({ctx.phase})", len(columns["input_ids"])) as bar:
                 rows = score(model, ctx.tokenizer, columns, self.options.batch_size, bar)

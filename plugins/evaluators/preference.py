@@ -16,6 +16,7 @@ from ftcore.types import Tokens
 
 from ftcore_plugins.common import reward_model as _reward_model
 from ftcore_plugins.common.preference import answer_logps, pair_metrics, render, tokenize
+from ftcore_plugins.common.seq2seq import plan_encoder_decoder, refusal
 from ftcore_plugins.evaluators._baseline import model_ready_problems
 
 
@@ -37,6 +38,9 @@ class Preference(Component):
 
     def check(self, plan) -> list[str]:
         o = self.options
+        if family := plan_encoder_decoder(plan):
+            return [refusal(f"evaluator '{self.name}'", family, "it scores answers by a causal LM's log-probabilities "
+                            "after the prompt", "use \"perplexity\" or \"exact_match\"")]
         if o.method == "reward_model":
             if o.reward_model is None:
                 return ["reward_model: method = \"reward_model\" needs the name of a `reward` stage"]

@@ -9,15 +9,16 @@ from ftcore import rundir
 from ftcore.component import Component
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.seq2seq import auto_class
 from ftcore_plugins.common.vision import processor_of
 from ftcore_plugins.exporters._card import card_path, write_card
 from ftcore_plugins.exporters._vision import ADAPTER_USAGE
 
 USAGE = """
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import {auto}, AutoTokenizer
 
-base = AutoModelForCausalLM.from_pretrained("{base}")  # the model the adapter was trained on
+base = {auto}.from_pretrained("{base}")  # the model the adapter was trained on
 model = PeftModel.from_pretrained(base, "{path}")
 tokenizer = AutoTokenizer.from_pretrained("{path}")
 """
@@ -58,7 +59,8 @@ class AdapterExporter(Component):
             (base or config.base_model_name_or_path or "path/to/base-model")
         write_card(ctx.path, ctx, title=f"{config.peft_type.value.lower()} adapter", library="peft",
                    tags=["peft", ctx.adapter.name],
-                   usage=(ADAPTER_USAGE if processor is not None else USAGE).format(base=base, path=card_path(ctx)))
+                   usage=(ADAPTER_USAGE if processor is not None else USAGE).format(
+                       base=base, path=card_path(ctx), auto=auto_class(ctx.model.config).__name__))
         return ctx.path
 
 

@@ -34,6 +34,8 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common import seq2seq
+from ftcore_plugins.common.cache import cache_dir
 from ftcore_plugins.common.run_model import load_gguf
 from ftcore_plugins.exporters import llama_cpp_converter as converter
 from ftcore_plugins.exporters._card import card_path, final_path, write_card
@@ -72,15 +74,8 @@ PIP_GGUF = "pip install 'ftcore[gguf]'"
 PIP_LLAMA_CPP = "pip install llama-cpp-python (it builds llama.cpp from source, about 10 minutes)"
 PIP_SENTENCEPIECE = "pip install sentencepiece"
 
-# llama.cpp's name for a byte-level BPE pre-tokenizer (tokenizer.ggml.pre), by the regex that splits
-# the text before BPE (src/llama-vocab.cpp implements each name with these regexes).
-GPT2_PRE = "gpt-2"  # a plain ByteLevel pre-tokenizer: GPT-2's own regex
-PRE_TOKENIZERS = {
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "llama-bpe",  # Llama 3
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
-        "qwen2",  # Qwen2, Qwen2.5
-}
+# llama.cpp's names for byte-level BPE pre-tokenizers, by their regex (shared with the converter's process).
+GPT2_PRE, PRE_TOKENIZERS = converter.GPT2_PRE, converter.PRE_TOKENIZERS
 
 
 def model_type(plan) -> str | None:
@@ -149,9 +144,106 @@ def unsupported_architecture(kind: str | None, classes: list[str] | None = None,
     return None
 
 
+# What llama.cpp's converter reads of a tokenizer: copied, with config.json, into the folder its check runs on.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+def model_file(source: str | None, name: str, revision: str | None = None) -> Path | None:
+    """``name`` in the model folder ``source``, or in the hub cache for a hub id (nothing is downloaded)."""
+    if not source:
+        return None
+    if Path(source).is_dir():
+        path = Path(source) / name
+        return path if path.is_file() else None
+    if Path(source).is_absolute() or Path(source).exists():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(source, name, revision=revision)
+    except Exception:  # noqa: BLE001 - not a hub id
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def converter_job(plan, folder: Path) -> dict[str, Any] | None:
+    """The plan's model for llama.cpp's converter's check (``_converter_process.check``): its config.json and
+    tokenizer files copied into ``folder`` (no weights); for the scratch loader, its options (the check builds
+    the config and tokenizer with the loader's own code). None where the config is not known before loading."""
+    import shutil
+
+    options = plan.model.options
+    job: dict[str, Any] = {"folder": str(folder), "architectures": model_classes(plan) or [], "tokenizer": True}
+    if plan.model.name == "scratch":
+        return {**job, "scratch": options.model_dump(mode="json")}
+    revision = getattr(options, "revision", None)
+    config = model_file(getattr(options, "path", None), "config.json", revision)
+    if config is None:
+        return None
+    shutil.copyfile(config, folder / "config.json")
+    source = getattr(options, "tokenizer", None) or getattr(options, "path", None)
+    for name in TOKENIZER_FILES:
+        if (found := model_file(source, name, revision)) is not None:
+            shutil.copyfile(found, folder / name)
+    job["tokenizer"] = any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    return job
+
+
+def check_key(tree: Path, job: dict[str, Any], pre_tokenizer: str | None) -> str:
+    """What a converter check's answer depends on: the converter and the libraries it runs with, ftcore's
+    side of it, the job's options and every file it read."""
+    import hashlib
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    versions = {}
+    for package in ("transformers", "llama-cpp-python", "ftcore"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = None
+    described = {k: v for k, v in job.items() if k != "folder"}
+    digest.update(json.dumps([str(tree), (tree / converter.SCRIPT).stat().st_mtime_ns, versions, pre_tokenizer,
+                              described], sort_keys=True, default=str).encode())
+    for module in ("_converter_process.py", "llama_cpp_converter.py"):  # ftcore's side of the converter
+        digest.update(Path(__file__).with_name(module).read_bytes())
+    for path in sorted(Path(job["folder"]).iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def writer_tokenizer_problem(plan, kind: str, pre_tokenizer: str | None) -> str | None:
+    """Why this exporter's own writer cannot embed the plan's tokenizer (read from its tokenizer.json), or None,
+    also when that file is not known before loading. The scratch loader's trained tokenizer is one it embeds."""
+    options = plan.model.options
+    if plan.model.name == "scratch" and getattr(options, "tokenizer", None) is None:
+        return None
+    source = getattr(options, "tokenizer", None) or getattr(options, "path", None)
+    found = model_file(str(source) if source else None, "tokenizer.json", getattr(options, "revision", None))
+    if found is None:
+        return None
+    backend = json.loads(found.read_text(encoding="utf-8"))
+    model = backend.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        return (f"exporter 'gguf' writes {kind!r} models itself with byte-level BPE tokenizers (GPT-2, Llama 3, "
+                f"Qwen2 style), and this model's is {model.get('type', 'another kind')}"
+                f"{' with byte fallback (SentencePiece style)' if model.get('byte_fallback') else ''}; set "
+                "converter = \"llama.cpp\" (llama.cpp's converter reads it)")
+    if pre_tokenizer is None and converter.bpe_pre_tokenizer(backend) is None:
+        return ("llama.cpp has no pre-tokenizer known to split text as this tokenizer's does; set pre_tokenizer = "
+                "\"<name>\" on the [[export]] (a name from llama.cpp's llama-vocab.cpp), or converter = \"llama.cpp\" "
+                "(its converter knows published tokenizers by a hash of their ids)")
+    return None
+
+
 # Why a vision-language model is refused (plugins/exporters/_vision.py).
 VISION_WHY = "llama.cpp runs one from two files, the language model and its vision tower and projector (mmproj), " \
     "and this exporter writes the language model only"
+# Why an encoder-decoder (T5, BART) is refused (common/seq2seq.py).
+SEQ2SEQ_WHY = "it writes and checks causal LMs (llama.cpp runs a T5 through an encoder pass of its own, which " \
+    "this export does not check, and converts no BART)"
+SEQ2SEQ_FIX = "export it with \"merged\" or \"adapter\""
 
 
 class GgufExporter(Component):
@@ -177,6 +269,8 @@ class GgufExporter(Component):
     def check(self, plan) -> list[str]:
         if (vlm := plan_vision_model(plan)) is not None:
             return [f"use: {refusal(self.name, vlm, VISION_WHY)}"]
+        if (family := seq2seq.plan_encoder_decoder(plan)) is not None:
+            return [f"use: {seq2seq.refusal(f'exporter {self.name!r}', family, SEQ2SEQ_WHY, SEQ2SEQ_FIX)}"]
         problems = []
         if importlib.util.find_spec("gguf") is None:
             problems.append(f"use: exporter 'gguf' needs the gguf package, which is not installed: {PIP_GGUF}")
@@ -187,6 +281,12 @@ class GgufExporter(Component):
         if converted and importlib.util.find_spec("sentencepiece") is None:
             problems.append(f"use: llama.cpp's converter, which writes {kind!r} models, needs sentencepiece: "
                             f"{PIP_SENTENCEPIECE}")
+        if not problems and kind is not None:
+            # What the writer will do with this config and tokenizer, before any training.
+            why = self.converter_problem(plan, kind) if converted else writer_tokenizer_problem(
+                plan, kind, self.options.pre_tokenizer)
+            if why is not None:
+                problems.append(f"use: {why}")
         native = [t for t in self.options.types if t in LLAMA_CPP_TYPES or (converted and t not in CONVERTER_TYPES)]
         if native and importlib.util.find_spec("llama_cpp") is None:
             choose = CONVERTER_TYPES if converted else PYTHON_TYPES
@@ -196,6 +296,29 @@ class GgufExporter(Component):
 
     def unsupported(self, kind: str | None, classes: list[str] | None) -> str | None:
         return unsupported_architecture(kind, classes, self.options.converter, self.options.converter_path)
+
+    def converter_problem(self, plan, kind: str) -> str | None:
+        """Why llama.cpp's converter cannot write the plan's model, from its config and tokenizer alone
+        (``llama_cpp_converter.check``: the converter's own code without the weights), or None, also when
+        neither is known before loading (a hub id not in the local cache). It runs in a process that imports
+        torch and the converter, several seconds; the answer is cached by the files and options it read."""
+        tree = converter.find_converter(self.options.converter_path)
+        with tempfile.TemporaryDirectory(prefix="ftcore-gguf-check-") as tmp:
+            job = converter_job(plan, Path(tmp))
+            if job is None:
+                return None
+            classes = job["architectures"] or [kind]
+            key = check_key(tree, job, self.options.pre_tokenizer)
+            saved = cache_dir() / "gguf-check" / f"{key}.json"
+            if saved.is_file():
+                why = json.loads(saved.read_text(encoding="utf-8"))["problem"]
+            else:
+                [why] = converter.check(tree, [job], self.options.pre_tokenizer)
+                if why is None or not why.startswith("its check "):  # not a check that could not run
+                    saved.parent.mkdir(parents=True, exist_ok=True)
+                    saved.write_text(json.dumps({"problem": why}), encoding="utf-8")
+        return None if why is None else \
+            f"llama.cpp's converter ({tree.name}) cannot write this {kind!r} model ({classes[0]}): {why}"
 
     def export(self, ctx):
         refuse_loaded(ctx, ctx.model, self.name, VISION_WHY)
@@ -279,15 +402,15 @@ class GgufExporter(Component):
 
     def _convert(self, tree: Path, folder: Path, targets: dict[str, Path], stem: str, eot: int | None,
                  tmp: Path) -> None:
-        """Each file by llama.cpp's converter (f32, f16, bf16, q8_0) or its quantizer from the converter's f16."""
+        """The files llama.cpp's converter writes (f32, f16, bf16, q8_0), in one run of it; the other types by
+        llama.cpp's quantizer from its f16 file."""
+        written = {t: path for t, path in targets.items() if t in CONVERTER_TYPES}
+        if any(t not in CONVERTER_TYPES for t in targets) and "f16" not in written:
+            written["f16"] = tmp / "f16.gguf"
+        convert_with_llama_cpp(tree, folder, written, stem, eot, self.options.pre_tokenizer)
         for gguf_type, target in targets.items():
-            if gguf_type in CONVERTER_TYPES:
-                convert_with_llama_cpp(tree, folder, target, gguf_type, stem, eot)
-            else:
-                source = targets.get("f16", tmp / "f16.gguf")
-                if not source.exists():
-                    convert_with_llama_cpp(tree, folder, source, "f16", stem, eot)
-                llama_cpp_quantize(source, target, gguf_type)
+            if gguf_type not in CONVERTER_TYPES:
+                llama_cpp_quantize(written["f16"], target, gguf_type)
 
     def verify_llama_cpp(self, path: Path, gguf_type: str, inputs, expected) -> dict[str, Any]:
         """A file read back by llama.cpp: checked for 16/32-bit files (``tolerance``, else a fraction of the
@@ -436,17 +559,50 @@ def same_pieces(path: Path, tokenizer) -> bool:
     return all(inverse.get(i) == sp.id_to_piece(i) for i in range(sp.get_piece_size()))
 
 
-def convert_with_llama_cpp(tree: Path, folder: Path, target: Path, gguf_type: str, name: str,
-                           eot: int | None) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on the merged model's folder, with the template's end of turn as
-    ``tokenizer.ggml.eot_token_id`` (the converter sets one only for a few families, Gemma's from a fixed id)."""
-    result = converter.convert(tree, folder, target, gguf_type, name, eot)
-    if result.returncode != 0 or not target.exists():
-        lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
-        last = lines[-1].strip() if lines else f"exit status {result.returncode}"
-        if "No module named 'sentencepiece'" in last:
-            last += f" ({PIP_SENTENCEPIECE})"
-        raise FtcoreError(f"exporter 'gguf': llama.cpp's converter ({tree}) failed: {last}")
+def convert_with_llama_cpp(tree: Path, folder: Path, targets: dict[str, Path], name: str, eot: int | None,
+                           pre_tokenizer: str | None = None) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on the merged model's folder, once for each type, with the template's
+    end of turn as ``tokenizer.ggml.eot_token_id`` (the converter sets one only for a few families, Gemma's from a
+    fixed id)."""
+    [why] = convert_models(tree, [(folder, targets)], name, eot, pre_tokenizer)
+    if why is not None:
+        if "No module named 'sentencepiece'" in why:
+            why += f" ({PIP_SENTENCEPIECE})"
+        raise FtcoreError(f"exporter 'gguf': llama.cpp's converter ({tree}) failed: {why}")
+
+
+def convert_models(tree: Path, models: list[tuple[Path, dict[str, Path]]], name: str | None = None,
+                   eot: int | None = None, pre_tokenizer: str | None = None) -> list[str | None]:
+    """Each model folder's files (type -> path) by llama.cpp's converter, all in one run of it: why each model
+    failed, or None. A model that ties its output layer to its token embedding has no output tensor, which
+    llama.cpp requires of some architectures (OLMo 2, GPT-NeoX, GPT-OSS, Qwen2-MoE, ...) and not of others
+    (Llama, Qwen3, Gemma: they reuse the embedding); where llama.cpp refuses the file for it, the model is
+    converted again with the output layer written out (a copy of the embedding)."""
+    def run(chosen: list[int], untie: bool) -> dict[int, str | None]:
+        jobs = [(models[i][0], target, t) for i in chosen for t, target in models[i][1].items()]
+        reasons, _ = converter.convert(tree, jobs, name, eot, pre_tokenizer, untie=untie)
+        found: dict[int, str | None] = {}
+        for (folder, _, _), why in zip(jobs, reasons):
+            i = next(i for i in chosen if models[i][0] == folder)
+            found[i] = found.get(i) or why
+        return found
+
+    outcome = run(list(range(len(models))), untie=False)
+    again = [i for i, why in outcome.items() if why is None and lacks_output(next(iter(models[i][1].values())))]
+    if again:
+        outcome.update(run(again, untie=True))
+    return [outcome[i] for i in range(len(models))]
+
+
+def lacks_output(path: Path) -> bool:
+    """Whether llama.cpp refuses this file for want of an output tensor (where llama-cpp-python is installed)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return False
+    try:
+        load_gguf(path, n_ctx=16, verbose=False).close()
+    except ValueError as exc:
+        return "'output.weight' not found" in str(exc)
+    return False
 
 
 def llama_cpp_logits(path: Path, inputs: list[Any]) -> list[Any]:
@@ -501,14 +657,7 @@ def add_hyperparameters(writer, config, arch: str, ftype) -> None:
 
 def pre_tokenizer_name(tokenizer) -> str | None:
     """llama.cpp's name for this byte-level BPE tokenizer's pre-tokenizer, or None if it is not one it knows."""
-    pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
-        return GPT2_PRE
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
-    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel" \
-            and not parts[1].get("use_regex", True):
-        return PRE_TOKENIZERS.get(parts[0].get("pattern", {}).get("Regex"))
-    return None
+    return converter.bpe_pre_tokenizer(json.loads(tokenizer.backend_tokenizer.to_str()))
 
 
 def add_tokenizer(writer, tokenizer, tokenizer_dir: Path, vocab_size: int, pre_tokenizer: str | None,

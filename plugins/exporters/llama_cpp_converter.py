@@ -24,6 +24,7 @@ ftcore's) and ``sentencepiece``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -160,56 +161,103 @@ def registered(tree: Path) -> frozenset[str]:
     return frozenset(names)
 
 
-# Runs the converter as its own command line does, with one addition: the end-of-turn token id, set on
-# the writer just before it writes the header (a key set twice keeps the last value).
 # Config keys the converter still reads by their old names, which transformers 5 folds into
 # ``rope_parameters`` (GPT-NeoX's and Cohere 2's share of rotated dimensions): old name -> its key there.
 # The converter reads a config through transformers (``AutoConfig(...).to_dict()``), which has dropped the old
-# name, so the runner puts it back in what the converter loaded: without, GPT-NeoX (Pythia) failed with a bare
-# ``KeyError: 'rotary_pct'``.
+# name, so the converter's process puts it back in what the converter loaded: without, GPT-NeoX (Pythia) failed
+# with a bare ``KeyError: 'rotary_pct'``.
 LEGACY_ROPE_KEYS = {"rotary_pct": "partial_rotary_factor"}
+# The same for keys transformers 5 dropped for another of the config: old name -> the key it reads instead
+# (GPT-2's context length; without, every GPT-2 failed with ``KeyError: 'n_ctx'``).
+LEGACY_KEYS = {"n_ctx": "n_positions"}
 
-RUNNER = """
-import runpy, sys
-tree, eot, script = sys.argv[1], sys.argv[2], sys.argv[3]
-sys.path[:0] = [tree + "/gguf-py", tree]
-import gguf
-if eot:
-    write_header = gguf.GGUFWriter.write_header_to_file
-    def with_eot(self, *args, **kwargs):
-        self.add_eot_token_id(int(eot))
-        return write_header(self, *args, **kwargs)
-    gguf.GGUFWriter.write_header_to_file = with_eot
-try:
-    from conversion.base import ModelBase  # the converter's own modules (llama.cpp since 2026)
-except ImportError:
-    ModelBase = None
-if ModelBase is not None:
-    load_hparams = ModelBase.load_hparams
-    def with_legacy_keys(*args, **kwargs):
-        config = load_hparams(*args, **kwargs)
-        for part in (config, config.get("text_config") or {}):
-            rope = part.get("rope_parameters") or {}
-            for old, new in %r.items():
-                if old not in part and isinstance(rope, dict) and new in rope:
-                    part[old] = rope[new]
-        return config
-    ModelBase.load_hparams = staticmethod(with_legacy_keys)
-sys.argv = sys.argv[3:]
-runpy.run_path(script, run_name="__main__")
-""" % (LEGACY_ROPE_KEYS,)
+# llama.cpp's name for a byte-level BPE pre-tokenizer (tokenizer.ggml.pre), by the regex that splits
+# the text before BPE (src/llama-vocab.cpp implements each name with these regexes).
+GPT2_PRE = "gpt-2"  # a plain ByteLevel pre-tokenizer: GPT-2's own regex
+PRE_TOKENIZERS = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "llama-bpe",  # Llama 3
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+":
+        "qwen2",  # Qwen2, Qwen2.5
+}
 
 
-def convert(tree: Path, model: Path, target: Path, outtype: str, name: str | None = None,
-            eot: int | None = None) -> subprocess.CompletedProcess:
-    """``convert_hf_to_gguf.py MODEL --outfile TARGET --outtype OUTTYPE`` in a Python process of its own,
-    offline, with the tree's own gguf-py; ``eot`` becomes ``tokenizer.ggml.eot_token_id``."""
-    script = tree / SCRIPT
-    args = [str(model), "--outfile", str(target), "--outtype", outtype, *(["--model-name", name] if name else [])]
+def bpe_pre_tokenizer(backend: dict) -> str | None:
+    """llama.cpp's name for the pre-tokenizer of a byte-level BPE tokenizer (its ``tokenizer.json`` as a
+    dict), or None if it is not one llama.cpp is known to split the same way."""
+    model = backend.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        return None
+    pre = backend.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"):
+        return GPT2_PRE
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+    if len(parts) == 2 and parts[0].get("type") == "Split" and parts[1].get("type") == "ByteLevel" \
+            and not parts[1].get("use_regex", True):
+        return PRE_TOKENIZERS.get(parts[0].get("pattern", {}).get("Regex"))
+    return None
+
+
+# The converter's process: the tree first on the path (its gguf-py and conversion package), then ftcore's
+# patches and checks (_converter_process.py), which import nothing else before the converter's modules.
+BOOT = ("import sys; sys.path[:0] = [sys.argv[1] + '/gguf-py', sys.argv[1]]; "
+        "from ftcore_plugins.exporters._converter_process import main; sys.exit(main(sys.argv[2:]))")
+
+
+def _environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-c", RUNNER, str(tree), "" if eot is None else str(eot), str(script),
-                           *args], capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+    return env
+
+
+def convert(tree: Path, jobs: list[tuple[Path, Path, str]], name: str | None = None, eot: int | None = None,
+            pre_tokenizer: str | None = None, untie: bool = False) -> tuple[list[str | None], subprocess.CompletedProcess]:
+    """``convert_hf_to_gguf.py MODEL --outfile TARGET --outtype OUTTYPE`` for each ``(model, target, outtype)``
+    job, all in one Python process of its own (its imports, several seconds, once), offline, with the tree's
+    own gguf-py and ftcore's patches (_converter_process.py). ``eot`` becomes ``tokenizer.ggml.eot_token_id``;
+    ``pre_tokenizer`` names the BPE pre-tokenizer (else the converter's own, by its hash, or ftcore's, by its
+    regex); ``untie`` writes a tied output layer out. Returns why each job failed (None where its file was
+    written), and the process (its stderr holds the converter's log)."""
+    script = tree / SCRIPT
+    groups: list[str] = []
+    for model, target, outtype in jobs:
+        groups += ["--", str(model), "--outfile", str(target), "--outtype", outtype,
+                   *(["--model-name", name] if name else [])]
+    options = json.dumps({"eot": eot, "pre_tokenizer": pre_tokenizer, "untie": untie})
+    with tempfile.TemporaryDirectory(prefix="ftcore-gguf-") as tmp:
+        results = Path(tmp) / "results.json"
+        process = subprocess.run([sys.executable, "-c", BOOT, str(tree), "convert", options, str(results), str(script),
+                                  *groups], capture_output=True, text=True, env=_environment(), stdin=subprocess.DEVNULL)
+        answers = json.loads(results.read_text(encoding="utf-8")) if results.exists() else []
+    if len(answers) < len(jobs):  # the process ended before them: its last words
+        lines = [line for line in (process.stderr + process.stdout).splitlines() if line.strip()]
+        why = lines[-1].strip() if lines else f"exit status {process.returncode}"
+        answers += [why] * (len(jobs) - len(answers))
+    return [why if why is not None or target.exists() else "it wrote no file"
+            for why, (_, target, _) in zip(answers, jobs)], process
+
+
+def check(tree: Path, jobs: list[dict], pre_tokenizer: str | None = None, timeout: float = 1800) -> list[str | None]:
+    """For each job (a folder with a model's config.json and tokenizer files, no weights; see
+    ``_converter_process.check``), why llama.cpp's converter in ``tree`` cannot write that model, or None:
+    everything the converter does before it reads a weight (the architecture, every metadata key, the
+    tokenizer, with llama.cpp reading back the vocabulary it writes). One process for all the jobs: it
+    imports torch, transformers and the converter (several seconds), then takes a few seconds a job for a
+    128k-token vocabulary."""
+    with tempfile.TemporaryDirectory(prefix="ftcore-gguf-check-") as tmp:
+        listed, answers = Path(tmp) / "jobs.json", Path(tmp) / "answers.json"
+        listed.write_text(json.dumps(jobs), encoding="utf-8")
+        try:
+            result = subprocess.run([sys.executable, "-c", BOOT, str(tree), "check", pre_tokenizer or "", str(listed),
+                                     str(answers)], capture_output=True, text=True, env=_environment(),
+                                    stdin=subprocess.DEVNULL, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return [f"its check did not finish in {timeout:.0f} s"] * len(jobs)
+        if result.returncode != 0 or not answers.exists():
+            lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+            why = lines[-1].strip() if lines else f"exit status {result.returncode}"
+            return [f"its check failed: {why}"] * len(jobs)
+        return json.loads(answers.read_text(encoding="utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common.seq2seq import auto_class
 from ftcore_plugins.common.vision import processor_of
 from ftcore_plugins.exporters._card import card_path, write_card
 
@@ -31,9 +32,9 @@ TOLERANCES = {"float32": 1e-4, "float64": 1e-8, "bfloat16": 0.25, "float16": 0.0
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 USAGE = """
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import {auto}, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("{path}")
+model = {auto}.from_pretrained("{path}")
 tokenizer = AutoTokenizer.from_pretrained("{path}")
 messages = [{{"role": "user", "content": "Hello!"}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -77,7 +78,8 @@ class MergedExporter(Component):
         processor = processor_of(ctx.tokenizer)
         if processor is not None:  # a vision-language model: its processor too (image processor, template)
             processor.save_pretrained(ctx.path)
-        usage = (VISION_USAGE if processor is not None else USAGE).format(path=card_path(ctx))
+        usage = (VISION_USAGE if processor is not None else USAGE).format(path=card_path(ctx),
+                                                                          auto=auto_class(merged.config).__name__)
         write_card(ctx.path, ctx, title="merged model", library="transformers", tags=["merged"],
                    usage=usage, verification=verification)
         return ctx.path
@@ -169,15 +171,19 @@ def verification_inputs(ctx) -> list[Any]:
 
 
 def logits(model, inputs: list[Any]) -> list[Any]:
-    """float32 logits of each input on the CPU; the model's train/eval mode is put back."""
+    """float32 logits of each input on the CPU; the model's train/eval mode is put back. An encoder-decoder's
+    decoder reads the input too (``common/seq2seq.py``), so its logits cover both halves of the model."""
     import torch
+
+    from ftcore_plugins.common.seq2seq import decoder_inputs, is_encoder_decoder
 
     training = model.training
     model.eval()
     device = next(model.parameters()).device
+    feed = (lambda ids: decoder_inputs(model, ids)) if is_encoder_decoder(model) else (lambda ids: {"input_ids": ids})
     try:
         with torch.no_grad():
-            return [model(input_ids=ids.to(device)).logits.float().cpu() for ids in inputs]
+            return [model(**feed(ids.to(device))).logits.float().cpu() for ids in inputs]
     finally:
         model.train(training)
 

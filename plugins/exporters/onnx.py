@@ -21,6 +21,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.common import seq2seq
 from ftcore_plugins.exporters._card import card_path, write_card
 from ftcore_plugins.exporters._vision import plan_vision_model, refusal, refuse_loaded
 from ftcore_plugins.exporters.merged import merge_verified, verification_inputs
@@ -47,6 +48,9 @@ print(tokenizer.decode(int(np.argmax(logits[0, -1]))))  # the next token
 
 # Why a vision-language model is refused (plugins/exporters/_vision.py).
 VISION_WHY = "its graph takes input_ids and attention_mask, no pixels, so it would hold the language model alone"
+# Why an encoder-decoder (T5, BART) is refused (common/seq2seq.py).
+SEQ2SEQ_WHY = "its graph takes input_ids and attention_mask to a causal LM's logits, with no decoder input"
+SEQ2SEQ_FIX = "export it with \"merged\" or \"adapter\""
 
 
 class OnnxOptions(Options):
@@ -65,6 +69,8 @@ class OnnxExporter(Component):
     def check(self, plan) -> list[str]:
         if (vlm := plan_vision_model(plan)) is not None:
             return [f"use: {refusal(self.name, vlm, VISION_WHY)}"]
+        if (family := seq2seq.plan_encoder_decoder(plan)) is not None:
+            return [f"use: {seq2seq.refusal(f'exporter {self.name!r}', family, SEQ2SEQ_WHY, SEQ2SEQ_FIX)}"]
         absent = [m for m in MODULES if importlib.util.find_spec(m) is None]
         if absent:
             return [f"use: exporter 'onnx' needs {', '.join(absent)}, which is not installed: {PIP_ONNX}"]

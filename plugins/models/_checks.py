@@ -99,15 +99,16 @@ def _number(config: dict[str, Any], *names: str) -> tuple[str, int] | None:
 
 
 def config_shape_problems(config: dict[str, Any]) -> list[str]:
-    """Attention heads that do not divide: the width by the heads (unless ``head_dim`` is set), the
-    heads by the key/value heads. A multimodal config's ``text_config`` is what is checked."""
+    """Attention heads that do not divide: the width by the heads (unless ``head_dim`` or T5's ``d_kv`` is
+    set), the heads by the key/value heads. A multimodal config's ``text_config`` is what is checked."""
     text = config.get("text_config")
     config = text if isinstance(text, dict) else config
     hidden = _number(config, "hidden_size", "n_embd", "d_model")
     heads = _number(config, "num_attention_heads", "n_head", "num_heads")
     kv = _number(config, "num_key_value_heads", "num_kv_heads", "multi_query_group_num")
     problems = []
-    if hidden and heads and config.get("head_dim") is None and hidden[1] % heads[1]:
+    # T5's heads are d_kv wide, whatever d_model is (Flan-T5-small and mT5-small: 512 wide, 6 heads of 64)
+    if hidden and heads and config.get("head_dim") is None and config.get("d_kv") is None and hidden[1] % heads[1]:
         problems.append(f"{hidden[0]} {hidden[1]} is not a multiple of {heads[0]} {heads[1]}, and no head_dim is "
                         "set: the heads cannot share the width")
     if heads and kv and heads[1] % kv[1]:
@@ -234,13 +235,15 @@ def is_vlm_config(config: Any) -> bool:
 
 
 def model_type_problem(model_type: Any, trust_remote_code: bool, remote: bool) -> str | None:
-    """A ``model_type`` transformers cannot build a causal LM of. ``remote``: the config names its own
-    code (``auto_map``), which ``trust_remote_code`` lets in."""
+    """A ``model_type`` transformers cannot build a causal LM of, and not one of the encoder-decoders
+    ftcore trains (``common/seq2seq.py``). ``remote``: the config names its own code (``auto_map``), which
+    ``trust_remote_code`` lets in."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from ftcore.errors import did_you_mean
+    from ftcore_plugins.common.seq2seq import FAMILIES
 
     version = f"transformers {transformers.__version__}"
     causal = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -253,8 +256,11 @@ def model_type_problem(model_type: Any, trust_remote_code: bool, remote: bool) -
         more = "; the config names its own code: set trust_remote_code = true if you trust it" if remote else \
             "; a newer one may"
         return f"unknown model type {model_type!r} ({version} does not know it{more}){hint}"
+    if model_type in FAMILIES:  # an encoder-decoder (T5, BART), loaded as a seq2seq LM
+        return None
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type not in image_text_types():
         hint = did_you_mean(model_type, causal)
         return f"model type {model_type!r} has no causal language model in {version}, and ftcore trains causal " \
-               f"LMs (llama, mistral, qwen2, qwen3, gemma2, phi3, ...){hint}"
+               f"LMs (llama, mistral, qwen2, qwen3, gemma2, phi3, ...) and the encoder-decoders " \
+               f"{', '.join(FAMILIES)}{hint}"
     return None

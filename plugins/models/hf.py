@@ -1,5 +1,6 @@
 """Model loader ``hf``: a transformers causal LM from a local folder or a hub id; a vision-language model
-(an image-text-to-text config with a vision tower) from a local folder, with its processor."""
+(an image-text-to-text config with a vision tower) from a local folder, with its processor; an
+encoder-decoder (T5, Flan-T5, mT5, BART: ``is_encoder_decoder`` in its config) as a seq2seq LM."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError, PlanError
 
 from ftcore_plugins.common.model import _in_hub_cache, _offline, resolve_model_path
+from ftcore_plugins.common.seq2seq import FAMILIES, config_encoder_decoder, model_config
 from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
 
@@ -22,7 +24,8 @@ _UNREACHABLE: dict[str, str] = {}  # hub endpoints this process found unreachabl
 
 
 class HFModelLoader(Component):
-    """A transformers causal LM from a local folder (or a hub id where the network allows)."""
+    """A transformers causal LM (or a T5/BART encoder-decoder) from a local folder (or a hub id where the
+    network allows)."""
 
     name = "hf"
 
@@ -60,7 +63,7 @@ class HFModelLoader(Component):
             config, _ = _checks.read_config(Path(o.path))
             if problem is None and config is not None:
                 problem = _checks.model_type_problem(config.get("model_type"), o.trust_remote_code,
-                                                     "auto_map" in config)
+                                                     "auto_map" in config) or self._encoder_decoder_problem(config)
                 problem = problem and f"{Path(o.path) / 'config.json'}: {problem}"
             if problem is None and config is not None:
                 problem = self._config_against_weights(Path(o.path), config)
@@ -132,13 +135,34 @@ class HFModelLoader(Component):
         return [f"{key}: no such folder: {local}, and the Hugging Face hub ({endpoint}) cannot be reached to "
                 f"fetch {repo!r} ({why}); download it where the hub is reachable, or name a local folder"]
 
+    @staticmethod
+    def _encoder_decoder_problem(config: dict) -> str | None:
+        """An encoder-decoder of a family ftcore does not train (a causal LM of its decoder alone would load)."""
+        kind = config_encoder_decoder(config)
+        if kind is None or kind in FAMILIES:
+            return None
+        return (f"model type {kind!r} is an encoder-decoder, and ftcore trains causal LMs and the encoder-decoders "
+                f"{', '.join(FAMILIES)}")
+
+    def encoder_decoder(self, ctx: Any = None) -> bool:
+        """Whether ``path`` holds an encoder-decoder (T5, BART: loaded as a seq2seq LM), from its config.json,
+        or from the hub when the local cache has none (with ``ctx``, as a run loads it)."""
+        o = self.options
+        config = model_config(o.path, o.revision)
+        if config is None and ctx is not None and not Path(o.path).exists():
+            from transformers import AutoConfig
+
+            loaded = self._load("path", AutoConfig, o.path, ctx, **self._common())
+            return bool(getattr(loaded, "is_encoder_decoder", False))
+        return config_encoder_decoder(config) is not None
+
     def vision(self) -> bool:
         """Whether ``path`` holds a vision-language model (loaded with its processor)."""
         config, _ = _checks.read_config(Path(self.options.path)) if Path(self.options.path).is_dir() else (None, None)
         return config is not None and _checks.is_vlm_config(config)
 
     def load(self, ctx):
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
         o = self.options
         tokenizer = self.load_tokenizer(ctx)
@@ -152,7 +176,8 @@ class HFModelLoader(Component):
             from ftcore_plugins.common.vision import keep_vision_unquantized
 
             kwargs["quantization_config"] = keep_vision_unquantized(kwargs["quantization_config"], self.meta_model()[0])
-        model_cls = AutoModelForImageTextToText if self.vision() else AutoModelForCausalLM
+        model_cls = AutoModelForImageTextToText if self.vision() else \
+            AutoModelForSeq2SeqLM if self.encoder_decoder(ctx) else AutoModelForCausalLM
         model = self._load("path", model_cls, o.path, ctx, **self._common(), **kwargs)
         if stored is not None:
             from ftcore_plugins.models._upcast import upcast

@@ -12,6 +12,7 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.types import InputPath
 
+from ftcore_plugins.common.seq2seq import FAMILIES as SEQ2SEQ_ARCHITECTURES
 from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
 
@@ -27,7 +28,8 @@ class ScratchModelLoader(Component):
     class Options(Options):
         # a transformers model_type: llama, mistral, qwen2, qwen3, ...; or a vision-language family
         # (qwen2_5_vl, qwen3_vl, mllama, gemma3, llava, idefics3: _vlm.FAMILIES): its image and turn tokens
-        # are added to the tokenizer where it lacks them
+        # are added to the tokenizer where it lacks them; or an encoder-decoder: t5, mt5, bart (num_layers
+        # each for the encoder and the decoder; num_kv_heads does not apply, nor max_position_embeddings to t5)
         architecture: str = "llama"
         hidden_size: int = Field(64, ge=1, le=65536)
         num_layers: int = Field(2, ge=1, le=1024)
@@ -74,7 +76,7 @@ class ScratchModelLoader(Component):
         if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for _, v in (hidden, heads)):
             return []  # a config field of another type: transformers says what it makes of it
         problems = []
-        if o.config.get("head_dim") is None and hidden[1] % heads[1]:
+        if o.config.get("head_dim") is None and o.config.get("d_kv") is None and hidden[1] % heads[1]:
             near = max(heads[1], round(hidden[1] / heads[1]) * heads[1])
             problems.append(f"{hidden[0]}: {hidden[1]} is not a multiple of {heads[0]} ({heads[1]}), so the heads "
                             f"cannot share the width; use a multiple of {heads[1]}, such as {near}")
@@ -100,11 +102,12 @@ class ScratchModelLoader(Component):
                 return [f"tokenizer: {problem}"]
         try:
             import torch
-            from transformers import AutoModelForCausalLM
+
+            from ftcore_plugins.common.seq2seq import auto_class
 
             config = self.model_config(o.vocab_size)
             with torch.device("meta"):
-                AutoModelForCausalLM.from_config(config)
+                auto_class(config).from_config(config)
         except Exception as exc:  # noqa: BLE001 - every field is the plan's: what transformers refuses is
             return [f"{self._blamed(exc)}: transformers cannot build this {o.architecture} model: "
                     f"{_checks.one_line(exc)}"]
@@ -120,7 +123,8 @@ class ScratchModelLoader(Component):
 
     def load(self, ctx):
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from ftcore_plugins.common.seq2seq import auto_class
 
         o = self.options
         tokenizer = self.load_tokenizer(ctx)
@@ -130,7 +134,7 @@ class ScratchModelLoader(Component):
                                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(ctx.seed)
         extra = {"attn_implementation": o.attn_implementation} if o.attn_implementation else {}
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+        model = auto_class(config).from_config(config, dtype=torch.float32, **extra)
         n = sum(p.numel() for p in model.parameters())
         ctx.reporter.info(f"scratch model: {o.architecture}, {o.num_layers} layers, hidden {o.hidden_size}, "
                           f"{n:,} parameters, vocabulary {len(tokenizer):,}")
@@ -227,19 +231,37 @@ class ScratchModelLoader(Component):
         from transformers import AutoConfig
 
         o = self.options
-        fields = {
-            "vocab_size": vocab_size,
-            "hidden_size": o.hidden_size,
-            "num_hidden_layers": o.num_layers,
-            "num_attention_heads": o.num_heads,
-            "num_key_value_heads": o.num_kv_heads or o.num_heads,
-            "intermediate_size": o.intermediate_size or 4 * o.hidden_size,
-            "max_position_embeddings": o.max_position_embeddings,
-            "tie_word_embeddings": o.tie_word_embeddings,
-            **tokens,
-            **o.config,
-        }
+        if o.architecture in SEQ2SEQ_ARCHITECTURES:
+            shape = self._encoder_decoder_fields(tokens)
+        else:
+            shape = {
+                "hidden_size": o.hidden_size,
+                "num_hidden_layers": o.num_layers,
+                "num_attention_heads": o.num_heads,
+                "num_key_value_heads": o.num_kv_heads or o.num_heads,
+                "intermediate_size": o.intermediate_size or 4 * o.hidden_size,
+                "max_position_embeddings": o.max_position_embeddings,
+            }
+        fields = {"vocab_size": vocab_size, **shape, "tie_word_embeddings": o.tie_word_embeddings, **tokens, **o.config}
         return AutoConfig.for_model(o.architecture, **fields)
+
+    def _encoder_decoder_fields(self, tokens: dict[str, Any]) -> dict[str, Any]:
+        """T5's and BART's own names for the shape options (``num_layers`` each for the encoder and the
+        decoder), and the token the decoder starts from: T5's pad token, BART's EOS, as their checkpoints."""
+        o = self.options
+        inner = o.intermediate_size or 4 * o.hidden_size
+        if o.architecture == "bart":
+            start = tokens.get("eos_token_id")
+            return {"d_model": o.hidden_size, "encoder_layers": o.num_layers, "decoder_layers": o.num_layers,
+                    "encoder_attention_heads": o.num_heads, "decoder_attention_heads": o.num_heads,
+                    "encoder_ffn_dim": inner, "decoder_ffn_dim": inner,
+                    "max_position_embeddings": o.max_position_embeddings,
+                    **({"decoder_start_token_id": start, "forced_eos_token_id": start} if start is not None else {})}
+        # t5, mt5: relative positions (no max_position_embeddings); each head o.hidden_size / o.num_heads wide
+        start = tokens.get("pad_token_id")
+        return {"d_model": o.hidden_size, "num_layers": o.num_layers, "num_decoder_layers": o.num_layers,
+                "num_heads": o.num_heads, "d_kv": max(1, o.hidden_size // o.num_heads), "d_ff": inner,
+                **({"decoder_start_token_id": start} if start is not None else {})}
 
     def meta_model(self):
         """For ``ftcore estimate``: the model on the meta device and its config."""

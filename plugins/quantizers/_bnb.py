@@ -10,11 +10,14 @@ so a third-party loader that drops ``load_kwargs()`` fails at once, not after tr
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, ClassVar, Literal
 
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
+
+log = logging.getLogger("ftcore")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -111,6 +114,9 @@ class BnbQuantizer(Component):
         model.config.use_cache = False
         keep_trainable_fp32(model)
         keep_cpu_layout_trainable(model)
+        line = unquantized_experts(model, self.name)
+        if line:
+            log.info(line)
         return model
 
     def keeps_fp32(self, device: str) -> bool:
@@ -136,6 +142,28 @@ class BnbQuantizer(Component):
         from ftcore_plugins.common.estimate import bnb_step_bytes
 
         return bnb_step_bytes(self, model, device=device)
+
+    def weight_notes(self, model) -> list[str]:
+        line = unquantized_experts(model, self.name, counted=True)
+        return [line] if line else []
+
+
+def unquantized_experts(model: Any, quantizer: str, *, counted: bool = False) -> str | None:
+    """One line on a mixture-of-experts model's routed experts stored as 3-D parameters, which stay at full
+    precision: transformers' bitsandbytes integration replaces linear layers only (bitsandbytes' own
+    ``replace_parameter_4bit`` quantizes such parameters, but neither transformers' loading nor peft's LoRA on
+    parameters, ``ParamWrapper``, works with it: docs/methods.md). ``counted``: worded for ``ftcore estimate``."""
+    from ftcore_plugins.common.experts import expert_parameters
+
+    experts = expert_parameters(model)
+    if not experts:
+        return None
+    n = sum(p.numel() for p in experts.values())
+    size = sum(p.numel() * p.element_size() for p in experts.values())
+    dtypes = ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in experts.values()}))
+    return (f"quantizer '{quantizer}': the routed experts ({n:,} parameters in {len(experts)} tensors, "
+            f"{size / 2**30:.2f} GiB) stay in {dtypes}" + (", and are counted so" if counted else "")
+            + ": transformers' bitsandbytes integration quantizes linear layers only")
 
 
 def keep_trainable_fp32(model) -> None:

@@ -192,14 +192,16 @@ def logit_transform(config: Any) -> tuple[float | None, float] | None:
     return getattr(text, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
-def resolve_kernel(kernel: str, model: Any, *, device: str, sharded: bool = False, liger: bool = False) -> str:
+def resolve_kernel(kernel: str, model: Any, *, device: str, sharded: bool = False, liger: bool = False,
+                   aux_loss: bool = False) -> str:
     """The loss kernel a stage runs. ``auto``: the first of ``device``'s defaults (the device the stage
     trains on, ``device_defaults.training_device``) that runs here: ``liger`` where liger-kernel is
     installed on a GPU, else ``chunked``.
     ``chunked`` (and ``liger``) where it reproduces the model's loss exactly (``chunked`` becomes
     ``liger`` with ``liger``, where no logit scale is needed); else ``trl`` for an LM head that FSDP or
     ZeRO-3 shards (``sharded``: TRL's kernel gathers it), and ``full`` for a mixture of experts'
-    auxiliary loss or a logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
+    auxiliary loss (``aux_loss``: the stage's ``router_aux_loss_coef``; its model's forward computes it) or a
+    logit transform this loss does not know. ``model`` may be PEFT-wrapped."""
     from ftcore_plugins.common.device_defaults import loss_kernel_for
 
     if kernel == "auto":
@@ -214,8 +216,7 @@ def resolve_kernel(kernel: str, model: Any, *, device: str, sharded: bool = Fals
     transform = logit_transform(config) if config is not None else None
     if head is None or transform is None:
         return "full"
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "output_router_logits", False):
+    if aux_loss:
         return "full"
     if not hasattr(base, getattr(base, "base_model_prefix", "") or "\0"):
         return "full"
@@ -314,9 +315,10 @@ def sharded_head(run: Any) -> bool:
 
 
 def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens: Any, correct: Any,
-                         entropy_sum: Any | None) -> None:
+                         entropy_sum: Any | None, aux_loss: Any | None = None) -> None:
     """The metrics TRL's ``SFTTrainer.compute_loss`` records, from a step's counts: token accuracy,
-    entropy (when computed), and the real tokens seen (the stage's ``train_tokens``)."""
+    entropy (when computed), the router's auxiliary loss (when added: ``aux_loss``, unweighted, as TRL
+    logs it) and the real tokens seen (the stage's ``train_tokens``)."""
     import torch
 
     gather = trainer.accelerator.gather_for_metrics
@@ -324,6 +326,8 @@ def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens
     values = [gather(correct.detach()).sum() / n]
     if entropy_sum is not None:
         values.append(gather(entropy_sum.detach()).sum() / n)
+    if aux_loss is not None:
+        values.append(gather(aux_loss.detach().float().reshape(1).to(n.device)).mean())
     seen = None
     if mode == "train":
         if "attention_mask" in inputs:
@@ -340,6 +344,8 @@ def record_token_metrics(trainer: Any, mode: str, inputs: dict[str, Any], tokens
     trainer._metrics[mode]["mean_token_accuracy"].append(host[0])
     if entropy_sum is not None:
         trainer._metrics[mode]["entropy"].append(host[1])
+    if aux_loss is not None:
+        trainer._metrics[mode]["aux_loss"].append(host[1 + (entropy_sum is not None)])
     if mode == "train":
         seen = int(host[-1]) if seen is None else seen
         trainer._total_train_tokens += seen // trainer._tp_size

@@ -116,9 +116,10 @@ class AdaptiveKLController(FixedKLController):
 # -- the policy with a value head -------------------------------------------------------------------
 
 
-def policy_and_value(policy: Any) -> Any:
+def policy_and_value(policy: Any, router_logits: bool = False) -> Any:
     """An ``nn.Module`` holding the policy and a scalar value head on its last hidden state: one
-    forward pass gives the response tokens' logits and values."""
+    forward pass gives the response tokens' logits and values (and, with ``router_logits``, a mixture of
+    experts' router loss as ``aux_loss``)."""
     import torch
 
     config = policy.config.get_text_config() if hasattr(policy.config, "get_text_config") else policy.config
@@ -136,10 +137,12 @@ def policy_and_value(policy: Any) -> Any:
             """Logits and values at the positions that predict the last ``response_length`` tokens."""
             keep = response_length + 1
             position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)  # left padding: positions start at 0
+            router = {"output_router_logits": True} if router_logits else {}
             out = self.policy(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              output_hidden_states=True, use_cache=False, logits_to_keep=keep)
+                              output_hidden_states=True, use_cache=False, logits_to_keep=keep, **router)
             hidden = out.hidden_states[-1][:, -keep:-1]
             values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+            self.aux_loss = getattr(out, "aux_loss", None) if router_logits else None
             return out.logits[:, -keep:-1], values
 
     return PolicyAndValue()

@@ -13,9 +13,11 @@ from ftcore.types import LearningRate, Tokens
 
 from ftcore_plugins.common.device_defaults import training_device
 from ftcore_plugins.common.memory import gpu_visible
+from ftcore_plugins.common.seq2seq import plan_encoder_decoder, refusal
 from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
 from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
 from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem
+from ftcore_plugins.trainers._router import OPTION as ROUTER_AUX, apply_router_aux, router_problems
 
 
 class TrainOptions(Options):
@@ -51,6 +53,9 @@ class TrainOptions(Options):
     guard_spike_factor: float | None = Field(3.0, gt=1)  # warn when a step's loss exceeds this x the recent mean
     guard_spike_window: int = Field(20, ge=2)  # steps in that mean
     guard_max_grad_norm: float | None = Field(None, gt=0)  # warn when the gradient norm (before clipping) exceeds it
+    # a mixture of experts' router (load-balancing) loss, added to the loss with this weight and logged as
+    # aux_loss; unset or 0: off, whatever the model's config says (docs/trainers.md, "The router's auxiliary loss")
+    router_aux_loss_coef: float | None = Field(None, ge=0)
 
     @field_validator("optimizer")
     @classmethod
@@ -63,6 +68,10 @@ def training_problems(component: Any, plan: Any) -> list[str]:
     o = component.options
     stages = [s for s in plan.stages if s.trainer.options is o]
     problems = []
+    # An encoder-decoder (T5, BART) trains with the trainers that say they can (sft); the others are causal.
+    if stages and not getattr(component, "encoder_decoder", False) and (family := plan_encoder_decoder(plan)):
+        problems.append(refusal(f"trainer '{component.name}'", family, "it trains causal language models",
+                                "train this model with trainer \"sft\""))
     if o.warmup_ratio and o.warmup_steps:
         problems.append("warmup_steps: set warmup_ratio or warmup_steps, not both")
     d = getattr(plan, "distributed", None)
@@ -73,6 +82,7 @@ def training_problems(component: Any, plan: Any) -> list[str]:
         problems.append(problem)
     if o.precision == "fp16" and not gpu_visible():
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
+    problems += router_problems(component, plan)
     for stage in stages:
         problem = optimizer_problem(o.optimizer, adapter=stage.adapter.name)
         if problem and problem not in problems:
@@ -322,7 +332,7 @@ def consolidated(trainer: Any, skeleton: Any) -> Any | None:
 
 def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, *, train: Any,
                 evaluation: Any | None, config: dict[str, Any] | None = None, strip_patches: bool = True,
-                **trainer_kwargs: Any) -> tuple[Any, dict[str, Any]]:
+                router_aux: bool = True, **trainer_kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """Train ``ctx.model`` with a transformers/TRL ``trainer_cls`` configured by ``config_cls``
     (e.g. ``DPOTrainer``/``DPOConfig``): the shared arguments, callbacks, resume and metrics.
     ``strip_patches=False`` leaves TRL's forward patches on the model, for a caller that still uses
@@ -331,7 +341,12 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
     are added to ours). Every trainer built here gets: checkpoints marked and rotated, the best by
     eval loss kept, early stopping, the stability guard, and SIGINT/SIGTERM handling (a checkpoint
     at the end of the current step, then :class:`ftcore.errors.Interrupted`).
+    The router's auxiliary loss follows the stage's ``router_aux_loss_coef`` (``_router.py``): the model's
+    config is set for the stage (put back after training) and the coefficient, 0.0 when off, goes to a TRL
+    config that takes one; ``router_aux=False``: a trainer whose loss cannot take it (off, an option ignored).
     Returns the trainer and the stage's final metrics."""
+    import dataclasses
+
     import torch
     from transformers import EarlyStoppingCallback, PrinterCallback
 
@@ -342,7 +357,12 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         def on_train_begin(self, args, state, control, **kw):
             pass  # its warning about load_best_model_at_end does not apply: we load the best ourselves
 
-    args = config_cls(**{**training_arguments(ctx, o, evaluation), **(config or {})})
+    # A TRL config with the field takes the coefficient (and TRL asks for router logits itself); another
+    # trainer (TRL's ORPO) reads the model's config.
+    takes = ROUTER_AUX in {f.name for f in dataclasses.fields(config_cls)}
+    coef, restore_router = apply_router_aux(ctx, o, supported=router_aux, in_config=not takes)
+    router = {ROUTER_AUX: coef} if takes else {}
+    args = config_cls(**{**training_arguments(ctx, o, evaluation), **router, **(config or {})})
     # An adapter that brings its own optimizer (loraplus) builds it: ``adapter.optimizer(model, args)``.
     # Passed as a factory, the Trainer builds it once the model is on its device.
     build = getattr(ctx.adapter, "optimizer", None)
@@ -391,6 +411,7 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
         raise out_of_memory(ctx, o, trainer.state.global_step + 1) from None
     finally:
         progress.close()  # also when the guard or an error ends training
+        restore_router()  # the model's config as it came: the option holds for this stage only
     if stop.requested:
         raise stop.interrupted(ctx.stage, trainer.state.global_step, newest_checkpoint(ctx.checkpoint_dir),
                                getattr(getattr(ctx.run, "plan", None), "path", None))
@@ -464,10 +485,11 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
 
 def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "truncate_response",
                     train_on_inputs: bool = False, batch_size: int = 8,
-                    packed_length: int | None = None, packing: bool = True) -> tuple[Any, Any]:
+                    packed_length: int | None = None, packing: bool = True, seq2seq: bool = False) -> tuple[Any, Any]:
     """Tokenize the stage's train and eval rows (cached), and report what was kept,
     truncated and dropped, the length percentiles and, for ``packed_length``, the padding batches of
-    ``batch_size`` rows carry and, with ``packing``, how packing into ``packed_length`` blocks fills them."""
+    ``batch_size`` rows carry and, with ``packing``, how packing into ``packed_length`` blocks fills them.
+    ``seq2seq``: for an encoder-decoder model (``common/seq2seq.py``)."""
     from ftcore.errors import FtcoreError
 
     from ftcore_plugins.common.prepare import data_origin, is_stream, packing_report, prepare, stream_tokenized
@@ -481,13 +503,13 @@ def tokenize_splits(ctx: Any, *, max_length: int | None, truncation: str = "trun
         if is_stream(rows):
             out.append(stream_tokenized(rows, ctx.tokenizer, ctx.template, max_length=max_length,
                                         truncation=truncation, train_on_inputs=train_on_inputs, on_error=on_error,
-                                        where=where))
+                                        where=where, seq2seq=seq2seq))
             ctx.reporter.info(f"stage [bold]{ctx.stage}[/] {label} data streams: tokenized as training reads it, "
                               "not cached")
             continue
         prepared = prepare(rows, ctx.tokenizer, ctx.template, max_length=max_length, truncation=truncation,
                            train_on_inputs=train_on_inputs, reporter=ctx.reporter,
-                           description=f"tokenize {label}", on_error=on_error, where=where)
+                           description=f"tokenize {label}", on_error=on_error, where=where, seq2seq=seq2seq)
         stats = dict(prepared.stats, cache="hit" if prepared.cache_hit else "miss")
         if packed_length and stats["kept"]:
             stats.update(packing_report(prepared.dataset, packed_length, batch_size, packed=packing))

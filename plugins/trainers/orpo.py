@@ -67,6 +67,7 @@ class ORPOTrainer(Component):
         # Padding-free, TRL's logits/* (a mean over every position, padding included) would not be true.
         trainer_cls = with_padding_free(TrlORPOTrainer, hide=("logits/chosen", "logits/rejected")) \
             if o.padding_free else TrlORPOTrainer
+        trainer_cls = with_aux_loss_logged(trainer_cls)
         trainer, metrics = run_trainer(ctx, o, trainer_cls, ORPOConfig, train=train,
                                  evaluation=evaluation if periodic_evaluation(o) else None,
                                  config={"max_length": o.max_length, "beta": o.beta, "dataset_num_proc": None,
@@ -79,6 +80,27 @@ class ORPOTrainer(Component):
             ctx.reporter.log(ctx.stage, {k: v for k, v in metrics.items() if k.startswith("eval_")},
                              step=metrics.get("global_step"))
         return metrics
+
+
+def with_aux_loss_logged(trainer_cls: type) -> type:
+    """TRL's ORPOTrainer, which adds the router's loss where the model's config asks for it (run_trainer sets it
+    by the stage's router_aux_loss_coef) but does not log it, logging it as ``aux_loss`` as the other trainers do."""
+
+    class LoggedAux(trainer_cls):
+        def concatenated_forward(self, model, batch):
+            out = super().concatenated_forward(model, batch)
+            self._router_aux = out[5] if self.aux_loss_enabled else None
+            return out
+
+        def get_batch_loss_metrics(self, model, batch, train_eval="train"):
+            loss, metrics = super().get_batch_loss_metrics(model, batch, train_eval)
+            if getattr(self, "_router_aux", None) is not None:
+                aux = self.accelerator.gather_for_metrics(self._router_aux.detach()).mean().item()
+                metrics[f"{'eval_' if train_eval == 'eval' else ''}aux_loss"] = aux
+            return loss, metrics
+
+    LoggedAux.__name__ = LoggedAux.__qualname__ = trainer_cls.__name__
+    return LoggedAux
 
 
 def fitting(rows, ids, max_length: int):

@@ -19,6 +19,7 @@ from ftcore.types import LearningRate, RewardRef, StageRef
 
 from ftcore_plugins.common.model import trainable_counts
 from ftcore_plugins.trainers._optimizers import optimizer_arguments
+from ftcore_plugins.trainers._router import apply_router_aux
 from ftcore_plugins.trainers._training import TrainOptions, resolve_precision, training_problems
 
 # Shared options that have no meaning here: PPO has no eval loss, and its loss (a surrogate that
@@ -131,6 +132,8 @@ class PPOTrainer(Component):
         updates = steps * o.ppo_epochs * o.num_mini_batches
 
         policy = ctx.model
+        # The router's auxiliary loss by the stage's router_aux_loss_coef (_router.py), before the reference copy.
+        router_coef, restore_router = apply_router_aux(ctx, o)
         saved_dropout = {m: m.p for m in policy.modules() if isinstance(m, torch.nn.Dropout)}
         for m in saved_dropout:  # dropout would make the rollout's log-probs disagree with the update's
             m.p = 0.0
@@ -140,7 +143,7 @@ class PPOTrainer(Component):
         reference = None if peft_reference else _ppo.frozen_copy(policy)
         if o.gradient_checkpointing:
             policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = _ppo.policy_and_value(policy)
+        model = _ppo.policy_and_value(policy, router_logits=router_coef > 0)
 
         build = getattr(ctx.adapter, "optimizer", None)  # an adapter with its own optimizer (loraplus)
         if build is not None:
@@ -302,6 +305,9 @@ class PPOTrainer(Component):
                                 vf_loss, vf_clip = _ppo.value_loss(values.float(), old_values[idx], returns[idx],
                                                                    mask[idx], o.cliprange_value)
                                 loss = pg_loss + o.vf_coef * vf_loss
+                                aux = unwrapped.aux_loss if router_coef else None
+                                if aux is not None:
+                                    loss = loss + router_coef * aux
                                 accelerator.backward(loss)
                                 minibatch_loss += loss.item() / o.gradient_accumulation_steps
                                 if accelerator.sync_gradients:
@@ -316,6 +322,8 @@ class PPOTrainer(Component):
                             add("loss/value", vf_loss.item(), tokens)
                             add("policy/clip_fraction", pg_clip.item(), tokens)
                             add("value/clip_fraction", vf_clip.item(), tokens)
+                            if aux is not None:
+                                add("aux_loss", aux.item(), tokens)
                 kl_ctl.update(sequence_kl, rollout)
 
                 state["step"] = step = step + 1
@@ -340,6 +348,7 @@ class PPOTrainer(Component):
 
         for m, p in saved_dropout.items():
             m.p = p
+        restore_router()
         ctx.model = unwrapped.policy  # the runner saves the causal LM with the stage's adapter
         history = state["reward_history"]
         first = max(1, len(history) // 10)  # the first and last tenth of the run

@@ -26,6 +26,7 @@ class Pretrain(SFT):
 
     name = "pretrain"
     Options = PretrainOptions
+    encoder_decoder = False  # causal language modelling: refused on T5/BART at validation
 
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:
         if "text" not in ctx.train_data.column_names:

@@ -67,7 +67,8 @@ class RewardTrainer(Component):
                                  if periodic_evaluation(o) and pairs.get("eval") else None,
                                  config={"max_length": o.max_length, "dataset_num_proc": None,
                                          "center_rewards_coefficient": o.center_rewards_coefficient,
-                                         "gradient_checkpointing": o.gradient_checkpointing})
+                                         "gradient_checkpointing": o.gradient_checkpointing},
+                                 router_aux=False)  # a classification head returns no router loss
         model = sctx.model
         metrics.pop("eval_perplexity", None)  # exp of a pairwise loss is no perplexity
         if before is not None:

@@ -18,12 +18,14 @@ from ftcore.errors import FtcoreError
 from ftcore_plugins.common.chat import chosen_as_chat
 from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.common.prepare import data_origin, is_stream
+from ftcore_plugins.common.seq2seq import is_encoder_decoder, plan_encoder_decoder
 from ftcore_plugins.trainers._hybrid import hybrid_packing_problem
 from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.common.device_defaults import defaults, device_type, optimizer_for, training_device
 from ftcore_plugins.trainers._packing import BINNED, PACKED_PATHS, choose_path, fixed_width, passed_over, \
     path_problem, with_packed_attention
+from ftcore_plugins.trainers._router import stage_coefficient
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 from ftcore_plugins.trainers._vision import image_rows, save_processor, vision_splits, vision_trl
 
@@ -44,6 +46,8 @@ class SFT(TrainChecks, TrainerMemory, Component):
     name = "sft"
     Options = SFTOptions
     streams = True  # trains from a streaming source (tokenized as it reads, max_steps required)
+    # Also trains encoder-decoder models (T5, BART: trainers/_seq2seq.py); a trainer that is False is refused one.
+    encoder_decoder = True
 
     # Override point: set to a method ``compute_loss(self, outputs, labels, num_items_in_batch=None)``
     # to replace the loss. ``outputs`` is the model's output (``outputs.logits``: batch x length x
@@ -60,15 +64,25 @@ class SFT(TrainChecks, TrainerMemory, Component):
         path = getattr(o, "packed_attention", "auto")
         if path != "auto" and (problem := path_problem(path, device_type())):
             problems.append(f"packed_attention: {problem}; use \"auto\" (the fastest path this machine runs)")
-        if getattr(o, "packing", False) and (problem := hybrid_packing_problem(plan)):
+        family = plan_encoder_decoder(plan) if any(s.trainer.options is o for s in plan.stages) else None
+        if family is not None and self.encoder_decoder:
+            from ftcore_plugins.trainers._seq2seq import seq2seq_problems
+
+            problems += seq2seq_problems(self, family)  # packing among them
+        elif getattr(o, "packing", False) and (problem := hybrid_packing_problem(plan)):
             problems.append(problem)
         return problems
 
     def train(self, ctx: Any) -> dict[str, Any]:
         self.collator = None  # set by prepare_data for rows with images (trainers/_vision.py)
         train, evaluation = self.prepare_data(ctx)
-        trainer_cls = self.trainer_class(ctx)
         o = self.options
+        if self.encoder_decoder and is_encoder_decoder(ctx.model):
+            from ftcore_plugins.trainers._seq2seq import run_seq2seq
+
+            ctx.reporter.log(ctx.stage, {"optimizer": optimizer_for(o.optimizer, training_device())}, step=0)
+            return run_seq2seq(ctx, o, train, evaluation, {"neftune_noise_alpha": o.neftune_noise_alpha})
+        trainer_cls = self.trainer_class(ctx)
         # Liger's layer kernels through TRL (which leaves the loss to us); NEFTune through transformers.
         config = {"use_liger_kernel": o.liger, "neftune_noise_alpha": o.neftune_noise_alpha, **self.trl_config(ctx)}
         chosen = self.device_choices(ctx, training_device(), config)
@@ -112,7 +126,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
             kernel = "compute_loss"
         else:
             kernel = resolve_kernel(o.loss_kernel, ctx.model, device=device, sharded=sharded_head(ctx.run),
-                                    liger=o.liger)
+                                    liger=o.liger, aux_loss=stage_coefficient(ctx.model, o) > 0)
         chosen: dict[str, Any] = {
             "loss_kernel": kernel,
             "loss_chunk_elements": self.loss_chunk_elements or defaults(device).loss_chunk_elements,
@@ -146,6 +160,9 @@ class SFT(TrainChecks, TrainerMemory, Component):
         if "messages" in columns and not o.train_on_inputs:
             for label, rows in (("train", ctx.train_data), ("eval", ctx.eval_data)):
                 unanswered(rows, data_origin(ctx, label)[0], self.name)
+        if self.encoder_decoder and is_encoder_decoder(ctx.model):  # the prompt as encoder input, the answer as labels
+            return tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation, batch_size=o.batch_size,
+                                   seq2seq=True)
         return tokenize_splits(ctx, max_length=o.max_length, truncation=o.truncation,
                                train_on_inputs=o.train_on_inputs, batch_size=o.batch_size,
                                packed_length=o.max_length, packing=o.packing)
@@ -178,9 +195,15 @@ def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
             mode = "train" if self.model.training else "eval"
             labels = inputs["labels"]
             inputs = {k: v for k, v in inputs.items() if k != "labels"}
-            outputs = model(**inputs, use_cache=False)
+            # The router's loss, where the stage turned it on (TRL's SFTTrainer read its coefficient).
+            router = getattr(self, "aux_loss_enabled", False)
+            outputs = model(**inputs, use_cache=False, **({"output_router_logits": True} if router else {}))
             value = loss(outputs, labels, num_items_in_batch)
             value = across_ranks(self, value, num_items_in_batch)
+            aux = outputs.aux_loss if router else None
+            if aux is not None:  # as TRL adds it: a micro-batch's mean, spread over the accumulated steps
+                steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+                value = value + self.router_aux_loss_coef * aux.to(value.device) / steps
             with torch.no_grad():
                 # Past the virtual tokens prompt tuning prepends to the logits.
                 logits = outputs.logits[:, -labels.size(1):-1]
@@ -191,7 +214,7 @@ def with_loss(trainer_cls: type, loss: Any, *, entropy: bool = True) -> type:
                     logp = torch.log_softmax(logits.float(), dim=-1)
                     entropy_sum = (-(logp.exp() * logp).sum(-1) * mask).sum()
                 record_token_metrics(self, mode, inputs, mask.sum(), ((logits.argmax(-1) == targets) & mask).sum(),
-                                     entropy_sum)
+                                     entropy_sum, aux)
             return (value, outputs) if return_outputs else value
 
     CustomLoss.__name__ = CustomLoss.__qualname__ = f"{trainer_cls.__name__}WithLoss"

@@ -45,8 +45,14 @@ def model_config(plan: Any) -> Any | None:
             if not path or not (Path(path) / "config.json").is_file() or getattr(o, "trust_remote_code", False):
                 return None
             from transformers import AutoConfig
+            from transformers.utils import logging as hf_logging
 
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # validate's output is its own lines, not the config class's remarks
+            try:
+                config = AutoConfig.from_pretrained(path, local_files_only=True)
+            finally:
+                hf_logging.set_verbosity(verbosity)
     except Exception as exc:  # noqa: BLE001 - the loader's check and pre-flight report it
         log.debug("hybrid packing check skipped: %s", exc)
         return None
@@ -88,9 +94,20 @@ def missing_kernels(config: Any) -> list[str]:
     return [_DISTRIBUTION.get(p, p) for p in packages if importlib.util.find_spec(p) is None]
 
 
+# Families whose transformers model builds its attention masks without the position ids, so the samples of a
+# packed row would attend to each other on every path (tests/test_model_coverage.py finds them): model type ->
+# the model class. GptOssModel's mask_kwargs leave position_ids out (transformers 5.24).
+MASKS_WITHOUT_POSITIONS = {"gpt_oss": "GptOssModel"}
+
+
 def hybrid_packing_problem(plan: Any) -> str | None:
-    """``packing: ...`` for a hybrid model whose kernels are not installed, else None."""
+    """``packing: ...`` for a hybrid model whose kernels are not installed, or a family whose masks do not
+    keep packed samples apart; else None."""
     config = model_config(plan)
+    if config is not None and config.model_type in MASKS_WITHOUT_POSITIONS:
+        return (f"packing: transformers' {MASKS_WITHOUT_POSITIONS[config.model_type]} builds its attention masks "
+                f"without the position ids, so the samples packed in a row would attend to each other; "
+                f"set packing = false")
     missing = missing_kernels(config) if config is not None else []
     if not missing:
         return None

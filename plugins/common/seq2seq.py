@@ -32,7 +32,9 @@ def plan_encoder_decoder(plan: Any) -> str | None:
     """The model type of the plan's model when it is an encoder-decoder, found without loading: the
     ``scratch`` loader's ``architecture``, or the ``config.json`` of a local folder or of a hub id in the
     local hub cache (``is_encoder_decoder``, which every transformers encoder-decoder config sets). None for
-    a causal LM, or when it cannot be known yet (a hub id not downloaded)."""
+    a causal LM, or when it cannot be known yet (a hub id not downloaded, no plan: a component checked alone)."""
+    if plan is None:
+        return None
     options = plan.model.options
     architecture = getattr(options, "architecture", None)
     if isinstance(architecture, str):

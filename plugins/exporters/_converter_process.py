@@ -275,7 +275,7 @@ def build_scratch(folder: Path, options: dict[str, Any], architectures: list[str
     from ftcore.plugins import get_plugin_manager
 
     # The loader through the registry, as the run resolves it (an exporter does not import another kind).
-    loader_cls = get_plugin_manager(entry_points=False).registry().resolve("model", "scratch").cls
+    loader_cls = get_plugin_manager(entry_points=False).registry().resolve("model loader", "scratch").cls
     o = loader_cls.Options.model_construct(**options)
     loader = loader_cls(o)
     if o.tokenizer is not None:

@@ -57,7 +57,9 @@ MOE_FAMILIES = {
 HYBRID = {
     "qwen3_next": dict(MOE, **LINEAR_ATTENTION, num_experts=4, moe_intermediate_size=16,
                        shared_expert_intermediate_size=16),
-    "qwen3_5_text": LINEAR_ATTENTION,  # Qwen3.5's language model (its checkpoints add a vision tower)
+    # Qwen3.5's language model (its checkpoints add a vision tower); heads of 32 at least, as llama.cpp's rope
+    # sections need (Qwen3.5's are 256)
+    "qwen3_5_text": dict(LINEAR_ATTENTION, head_dim=32),
     "nemotron_h": dict(head_dim=16, layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=16,
                        n_groups=1, ssm_state_size=16, chunk_size=16),
     "granitemoehybrid": dict(layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,

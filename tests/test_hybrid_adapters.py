@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from test_moe_adapters import adapter, apply, available, printed  # noqa: E402
+from test_moe_adapters import adapter, apply, available, printed, train_steps  # noqa: E402
 
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
              vocab_size=128, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -82,15 +82,7 @@ def test_default_lora_applies_trains_and_merges_on_hybrid_models(model_type):
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, ids, 3)
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] != losses[0], losses
     model.eval()
     with torch.no_grad():

@@ -78,6 +78,20 @@ def apply(component, model):
     return component.apply(model, AdapterContext(None, reporter, None)), reporter
 
 
+def train_steps(model, ids, steps: int) -> list[float]:
+    """``steps`` AdamW steps (lr 1e-2) of the model's own loss on ``ids``, in train mode: the losses."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def printed(reporter, name: str = "lora") -> tuple[list[str], int, list[str], int, int]:
     """From the stage's lines: target_modules and how many layers, target_parameters and how many
     tensors, and the trainable count."""
@@ -135,15 +149,7 @@ def test_default_lora_adapts_the_routed_experts_and_says_what_it_adapted(model_t
 
     # (4) A few steps train the experts; the merge folds them in; plain peft reloads the adapter.
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    model.train()
-    losses = []
-    for _ in range(4):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, ids, 4)
     assert losses[-1] < losses[0], losses
     model.eval()
     with torch.no_grad():

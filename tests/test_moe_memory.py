@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from test_moe_adapters import train_steps  # noqa: E402
+
 REGISTRY = get_plugin_manager(entry_points=False).registry()
 H, LAYERS, VOCAB, E, K, MOE_I, I = 32, 2, 128, 4, 2, 16, 64  # hidden, layers, vocabulary, experts, a token, widths
 SIZES = dict(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -165,16 +167,8 @@ def test_bnb_leaves_the_experts_at_full_precision_the_estimate_counts_what_the_l
     model = lora.cls(lora.cls.Options(r=4)).apply(model, AdapterContext(None, RecordingReporter(), q))
     assert len(model.base_model.targeted_parameter_names) == LAYERS * 2
     trained = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n}
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
-    model.train()
-    losses = []
-    for _ in range(3):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, ids, 3)
     assert losses[-1] < losses[0], losses
     moved = [n for n, p in model.named_parameters() if n in trained and not torch.equal(p, trained[n])]
     assert len(moved) == len(trained) == LAYERS * 2 * 2  # A and B of both expert tensors of each layer

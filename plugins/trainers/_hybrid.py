@@ -1,5 +1,6 @@
-"""Packing on hybrid models (linear attention, Mamba, short convolutions): refused before the model loads
-where their kernels are missing.
+"""Packing on models that cannot keep packed samples apart here, refused before the model loads: hybrid models
+(linear attention, Mamba, short convolutions) whose kernels are missing, and families whose masks ignore the
+position ids (:data:`MASKS_WITHOUT_POSITIONS`).
 
 transformers' recurrent and convolution layers keep the samples of a packed row apart only through
 their CUDA kernels (``causal_conv1d``, ``mamba_ssm``, ``fla``); without them the reference PyTorch path
@@ -100,7 +101,7 @@ def missing_kernels(config: Any) -> list[str]:
 MASKS_WITHOUT_POSITIONS = {"gpt_oss": "GptOssModel"}
 
 
-def hybrid_packing_problem(plan: Any) -> str | None:
+def packing_model_problem(plan: Any) -> str | None:
     """``packing: ...`` for a hybrid model whose kernels are not installed, or a family whose masks do not
     keep packed samples apart; else None."""
     config = model_config(plan)

@@ -19,7 +19,7 @@ from ftcore_plugins.common.chat import chosen_as_chat
 from ftcore_plugins.common.estimate import TrainerMemory
 from ftcore_plugins.common.prepare import data_origin, is_stream
 from ftcore_plugins.common.seq2seq import is_encoder_decoder, plan_encoder_decoder
-from ftcore_plugins.trainers._hybrid import hybrid_packing_problem
+from ftcore_plugins.trainers._hybrid import packing_model_problem
 from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.common.device_defaults import defaults, device_type, optimizer_for, training_device
@@ -69,7 +69,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
             from ftcore_plugins.trainers._seq2seq import seq2seq_problems
 
             problems += seq2seq_problems(self, family)  # packing among them
-        elif getattr(o, "packing", False) and (problem := hybrid_packing_problem(plan)):
+        elif getattr(o, "packing", False) and (problem := packing_model_problem(plan)):
             problems.append(problem)
         return problems
 

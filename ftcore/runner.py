@@ -215,6 +215,7 @@ class Runner:
             work.mkdir(parents=True, exist_ok=True)
             plan = self.plan
             key = ["base", plan.seed, plan.raw.get("model"), plan.raw.get("template")]
+            memory.keep_alive_objects()
             model, tokenizer = self._kept(key, lambda: self.load_model(work))
         memory.release()  # loading's conversions (a dtype, quantizing) leave freed heap behind
         if "model loaded" not in self.memory:  # a reload (a QLoRA merge's full-precision base) is its export's

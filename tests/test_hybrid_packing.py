@@ -88,8 +88,10 @@ def test_packing_on_a_hybrid_without_its_kernels_is_one_line(tmp_path, ftcore_pl
     folder = model_folder(tmp_path / "model", tokenizer, model_type, **HYBRIDS[model_type])
 
     plan = _with_packing(ftcore_plan, folder, True)
-    done = run_cli("validate", str(plan), env=ENV, timeout=300)
-    lines = done.stderr.strip().splitlines()
+    done = run_cli("validate", str(plan), env={**ENV, "PYTHONPROFILEIMPORTTIME": "1"}, timeout=300)
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")]
+    assert imported and "torch" not in imported and "transformers" not in imported  # read from the files alone
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("import time:")]
     assert done.returncode == 2, done.stdout + done.stderr
     assert len(lines) == 1, done.stderr
     line = lines[0]

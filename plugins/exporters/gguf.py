@@ -655,11 +655,6 @@ def add_hyperparameters(writer, config, arch: str, ftype) -> None:
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def pre_tokenizer_name(tokenizer) -> str | None:
-    """llama.cpp's name for this byte-level BPE tokenizer's pre-tokenizer, or None if it is not one it knows."""
-    return converter.bpe_pre_tokenizer(json.loads(tokenizer.backend_tokenizer.to_str()))
-
-
 def add_tokenizer(writer, tokenizer, tokenizer_dir: Path, vocab_size: int, pre_tokenizer: str | None,
                   eot: int | None = None) -> None:
     """A byte-level BPE tokenizer as llama.cpp's "gpt2" model: tokens, types, merges, special ids (the
@@ -670,7 +665,7 @@ def add_tokenizer(writer, tokenizer, tokenizer_dir: Path, vocab_size: int, pre_t
     if backend.get("model", {}).get("type") != "BPE" or backend.get("model", {}).get("byte_fallback"):
         raise FtcoreError("exporter 'gguf' embeds byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2 style); this "
                           "tokenizer is not one: convert the 'merged' export with llama.cpp's convert_hf_to_gguf.py")
-    pre = pre_tokenizer or pre_tokenizer_name(tokenizer)
+    pre = pre_tokenizer or converter.bpe_pre_tokenizer(backend)  # the tokenizer's JSON, parsed once (7 MB for Qwen's)
     if pre is None:
         raise FtcoreError("exporter 'gguf': llama.cpp has no pre-tokenizer known to match this tokenizer's; set "
                           "pre_tokenizer = \"<name>\" in the [[export]] (a name from llama.cpp's llama-vocab.cpp)")

@@ -5,20 +5,20 @@ position ids (:data:`MASKS_WITHOUT_POSITIONS`).
 transformers' recurrent and convolution layers keep the samples of a packed row apart only through
 their CUDA kernels (``causal_conv1d``, ``mamba_ssm``, ``fla``); without them the reference PyTorch path
 raises "can't keep packed sequences apart" mid-``train()``, after the model has loaded. Which layers a
-model has comes from its config (``layer_types`` / ``layers_block_type``, without weights), which
-kernels its modeling module falls back from from that module's source
-(``use_kernel_func_from_hub_with_fallback`` registrations, read, not imported): no list of model types.
+model has comes from its ``config.json`` (``layer_types``, ``layers_block_type``, ``hybrid_override_pattern``),
+which kernels its modeling module falls back from from that module's source
+(``use_kernel_func_from_hub_with_fallback`` registrations): both read as files, nothing imported (``ftcore
+validate`` imports no torch), and no list of model types.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import re
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("ftcore")
+from ftcore_plugins.common.seq2seq import model_config as read_config
 
 # The import name of a kernel package, and the distribution to install where the two differ (as transformers
 # says it: integrations/hub_kernels.py _PACKAGE_TO_DISTRIBUTION).
@@ -31,67 +31,73 @@ def _plain(layer_type: str) -> bool:
     return ("attention" in layer_type and "linear" not in layer_type) or layer_type in ("mlp", "moe", "dense")
 
 
-def model_config(plan: Any) -> Any | None:
-    """The plan's model config, without weights: the ``scratch`` loader's, or a local folder's
-    ``config.json``; None where it cannot be had cheaply (a hub id, remote code, a broken folder:
-    the model's own checks say so)."""
-    try:
-        loader = plan.model.create()
-        build = getattr(loader, "model_config", None)
-        o = loader.options
-        if build is not None and hasattr(o, "vocab_size"):
-            config = build(o.vocab_size)
-        else:
-            path = getattr(o, "path", None)
-            if not path or not (Path(path) / "config.json").is_file() or getattr(o, "trust_remote_code", False):
-                return None
-            from transformers import AutoConfig
-            from transformers.utils import logging as hf_logging
-
-            verbosity = hf_logging.get_verbosity()
-            hf_logging.set_verbosity_error()  # validate's output is its own lines, not the config class's remarks
-            try:
-                config = AutoConfig.from_pretrained(path, local_files_only=True)
-            finally:
-                hf_logging.set_verbosity(verbosity)
-    except Exception as exc:  # noqa: BLE001 - the loader's check and pre-flight report it
-        log.debug("hybrid packing check skipped: %s", exc)
-        return None
-    return getattr(config, "text_config", None) or config
+def model_config(plan: Any) -> dict[str, Any] | None:
+    """The plan's model config as a dict, read without torch or transformers (``ftcore validate`` imports
+    neither): the ``scratch`` loader's architecture and ``config`` table, or the ``config.json`` of a local
+    folder or of a hub id in the local hub cache; a vision-language model's text part. None where it cannot be
+    had cheaply (a hub id not downloaded, remote code, a broken folder: the model's own checks say so)."""
+    options = plan.model.options
+    architecture = getattr(options, "architecture", None)
+    if isinstance(architecture, str):
+        config: dict[str, Any] | None = {**(getattr(options, "config", None) or {}), "model_type": architecture}
+    else:
+        path = getattr(options, "path", None)
+        if not path or getattr(options, "trust_remote_code", False):
+            return None
+        config = read_config(str(path), getattr(options, "revision", None))
+    text = config.get("text_config") if config else None
+    config = text if isinstance(text, dict) and text.get("model_type") else config
+    return config if config and isinstance(config.get("model_type"), str) else None
 
 
-def kernel_packages(config: Any) -> list[str]:
-    """The kernel packages the modeling module beside ``config``'s class falls back from, in order."""
-    module = type(config).__module__.rsplit(".", 1)
-    if len(module) != 2 or not module[1].startswith("configuration_"):
-        return []
-    try:
-        spec = importlib.util.find_spec(f"{module[0]}.modeling_{module[1][len('configuration_'):]}")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        return []
-    try:
-        source = Path(spec.origin).read_text(encoding="utf-8")
-    except OSError:
-        return []
-    return list(dict.fromkeys(m.split(".")[0] for m in _FALLBACK.findall(source)))
-
-
-def missing_kernels(config: Any) -> list[str]:
-    """The kernel packages this model's non-attention layers need to keep packed samples apart, not
-    importable here (their distribution names); [] for a dense model or where they are installed."""
-    model_type = getattr(config, "model_type", None)
-    if not isinstance(model_type, str):
-        return []
-    kinds = set()
+def layer_kinds(config: dict[str, Any]) -> set[str]:
+    """The kinds of layer a config lists (``layer_types``, ``layers_block_type``, or Nemotron-H's
+    ``hybrid_override_pattern``: M Mamba, * attention, - MLP, E experts); empty where it lists none (the
+    family's default layout, whatever it is)."""
+    kinds: set[str] = set()
     for name in ("layer_types", "layers_block_type"):
-        value = getattr(config, name, None)
+        value = config.get(name)
         if isinstance(value, (list, tuple)):
             kinds |= {str(v) for v in value}
+    pattern = config.get("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        kinds |= {_PATTERN.get(c, c) for c in pattern}
+    return kinds
+
+
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def modeling_source(model_type: str) -> str:
+    """The source of the installed transformers' modeling module for ``model_type``, read from its file
+    (nothing imported); "" where there is none."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    models = Path(spec.submodule_search_locations[0]) / "models"
+    folder = models / model_type.replace("-", "_")
+    if not folder.is_dir():  # a config class that lives in another family's module (qwen3_5_text in qwen3_5)
+        declared = re.compile(rf"^\s+model_type\s*=\s*[\"']{re.escape(model_type)}[\"']", re.M)
+        folder = next((f.parent for f in sorted(models.glob("*/configuration_*.py"))
+                       if declared.search(f.read_text(encoding="utf-8", errors="replace"))), folder)
+    try:
+        return "\n".join(f.read_text(encoding="utf-8") for f in sorted(folder.glob("modeling_*.py")))
+    except OSError:
+        return ""
+
+
+def kernel_packages(model_type: str) -> list[str]:
+    """The kernel packages ``model_type``'s modeling module falls back from, in order."""
+    return list(dict.fromkeys(m.split(".")[0] for m in _FALLBACK.findall(modeling_source(model_type))))
+
+
+def missing_kernels(config: dict[str, Any]) -> list[str]:
+    """The kernel packages this model's non-attention layers need to keep packed samples apart, not
+    importable here (their distribution names); [] for a dense model or where they are installed."""
+    kinds = layer_kinds(config)
     if kinds and all(_plain(k) for k in kinds):
         return []  # e.g. an lfm2 with attention in every layer
-    packages = kernel_packages(config)
+    packages = kernel_packages(config["model_type"])
     return [_DISTRIBUTION.get(p, p) for p in packages if importlib.util.find_spec(p) is None]
 
 
@@ -105,13 +111,15 @@ def packing_model_problem(plan: Any) -> str | None:
     """``packing: ...`` for a hybrid model whose kernels are not installed, or a family whose masks do not
     keep packed samples apart; else None."""
     config = model_config(plan)
-    if config is not None and config.model_type in MASKS_WITHOUT_POSITIONS:
-        return (f"packing: transformers' {MASKS_WITHOUT_POSITIONS[config.model_type]} builds its attention masks "
-                f"without the position ids, so the samples packed in a row would attend to each other; "
-                f"set packing = false")
-    missing = missing_kernels(config) if config is not None else []
+    if config is None:
+        return None
+    family = config["model_type"]
+    if family in MASKS_WITHOUT_POSITIONS:
+        return (f"packing: transformers' {MASKS_WITHOUT_POSITIONS[family]} builds its attention masks without the "
+                f"position ids, so the samples packed in a row would attend to each other; set packing = false")
+    missing = " and ".join(missing_kernels(config))
     if not missing:
         return None
-    return (f"packing: the {config.model_type} model's linear-attention/Mamba/convolution layers cannot keep "
-            f"packed samples apart without {' and '.join(missing)} (CUDA-only kernels, not installed); "
-            f"set packing = false, or install {' and '.join(missing)} on a CUDA machine")
+    return (f"packing: the {family} model's linear-attention/Mamba/convolution layers cannot keep packed samples "
+            f"apart without {missing} (CUDA-only kernels, not installed); set packing = false, or install "
+            f"{missing} on a CUDA machine")

@@ -1,4 +1,4 @@
-"""Memory of a LoRA on a mixture-of-experts layer's routed experts: peft's path against a grouped form.
+"""Memory of a LoRA on a mixture-of-experts layer's routed experts: peft's path against ftcore's grouped one.
 
     python benchmarks/expert_lora_memory.py [--tokens 512] [--rank 16] [--dtypes bfloat16 float32] [--tiny]
 
@@ -9,19 +9,21 @@ experts frozen; transformers' default ``grouped_mm`` experts forward), one forwa
 
 - ``frozen``: no adapter; the gradient flows to the block's input only.
 - ``peft``: LoRA of rank ``--rank`` on ``experts.gate_up_proj`` and ``experts.down_proj`` through
-  peft's ``target_parameters`` (``ParamWrapper``, what ftcore's ``lora`` uses): while the block runs,
-  the parameter reads as ``W + s B A`` for every expert at once (one ``baddbmm`` over the whole expert
-  stack), which the experts' matmuls then read and save.
-- ``grouped``: the same LoRA applied per expert to the tokens routed to it, ``x W^T + s (x A^T) B^T``
-  (the grouped form peers use), over transformers' own grouped matmul: a reference for what that form
-  costs, not something ftcore runs.
+  peft's ``target_parameters`` (``ParamWrapper``), with ftcore's grouped forward switched off
+  (``_expert_lora.disable``): while the block runs, the parameter reads as ``W + s B A`` for every
+  expert at once (one ``baddbmm`` over the whole expert stack), which the experts' matmuls then read
+  and save.
+- ``grouped``: the same peft adapter with ftcore's grouped forward on, as the ``lora`` adapter applies
+  it (``plugins/adapters/_expert_lora.py``, ``enable``): each projection is the frozen weight's grouped
+  matmul plus ``s (x A^T) B^T`` per expert on its own tokens, over transformers' ``_grouped_linear``.
 
 The two LoRA arms start from the same nonzero factors; their outputs and gradients (the input's, the
 factors') are compared. Measured, after the same step on a tiny block (one-off set-up): the peak RSS
 of the step above the RSS before it (VmHWM after ``ftcore.memory.reset_peak``), and the bytes the
 forward saves for backward beyond the weights, the factors and the input
 (``torch.autograd.graph.saved_tensors_hooks``, each storage once). Against both, what ``ftcore
-estimate`` counts for peft's path (``expert_lora_bytes`` in plugins/common/estimate.py).
+estimate`` counts for the path each arm runs (``_expert_lora`` and ``expert_lora_bytes`` in
+plugins/common/estimate.py).
 
 ``--tiny`` (the test's mode): 8 experts, hidden 64, moe_intermediate_size 32, 2 a token, 64 tokens,
 rank 4, float32, the arms one after another in one process.
@@ -79,30 +81,6 @@ def factors(experts, rank: int, dtype) -> dict:
     return {k: (a.to(dtype), b.to(dtype)) for k, (a, b) in out.items()}
 
 
-def lora_grouped_forward(self, hidden_states, top_k_index, top_k_weights):
-    """transformers' ``grouped_mm_experts_forward`` (integrations/moe.py) with each expert's LoRA applied to its
-    own tokens: ``x W^T + s (x A^T) B^T`` through the same grouped matmul."""
-    import torch
-    from transformers.integrations.moe import _grouped_linear
-
-    k = top_k_index.size(-1)
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    x = hidden_states[perm // k]
-    counts = torch.histc(expert_ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-
-    def project(x, name):
-        a, b = self.lora[name]
-        low = _grouped_linear(x, a, offsets)
-        return _grouped_linear(x, getattr(self, name), offsets) + self.scaling * _grouped_linear(low, b, offsets)
-
-    h = self._apply_gate(project(x, "gate_up_proj"))
-    out = project(h, "down_proj") * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.size(0))
-    return out[inverse].view(-1, k, out.size(-1)).sum(dim=1).to(hidden_states.dtype)
-
-
 def arm(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> dict:
     """One arm's step, after the same step on a tiny block: the first call's one-off allocations (kernels' and
     autograd's lazy set-up) are not the arm's."""
@@ -111,8 +89,6 @@ def arm(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> dict
 
 
 def measure(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> dict:
-    import types
-
     import torch
 
     from ftcore import memory
@@ -123,12 +99,14 @@ def measure(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> 
     weight_bytes = sum(getattr(experts, n).numel() * getattr(experts, n).element_size() for n in PARAMETERS)
     scaling = 2.0  # lora_alpha = 2r
     trained: list = []
-    counted = None  # what ftcore estimate counts for this block's step (peft's path)
+    counted = None  # what ftcore estimate counts for this block's step, for the path the arm runs
     if name != "frozen":
-        pairs = factors(experts, rank, dtype)
-    if name == "peft":
         from peft import LoraConfig, inject_adapter_in_model
 
+        from ftcore_plugins.adapters import _expert_lora
+        from ftcore_plugins.common.estimate import _scan, expert_lora_bytes
+
+        pairs = factors(experts, rank, dtype)
         moe = inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=[],
                                                  target_parameters=[f"experts.{n}" for n in PARAMETERS]), moe)
         wrappers = {m.parameter_name: m for m in moe.modules() if type(m).__name__ == "ParamWrapper"}
@@ -143,16 +121,13 @@ def measure(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> 
                 assert w.scaling["default"] == scaling
         trained = [(f"{n}.{part}", getattr(wrappers[n], f"lora_{part}")["default"].weight) for n in PARAMETERS
                    for part in "AB"]
-        from ftcore_plugins.common.estimate import _scan, expert_lora_bytes
-
+        assert _expert_lora.enable(moe) == 2  # what the lora adapter does once peft has wrapped the model
+        if name == "peft":
+            _expert_lora.disable(moe)
+        assert [_expert_lora.runs_grouped(w) for w in wrappers.values()] == [name == "grouped"] * 2
         moe.config = experts.config  # where the estimate reads how many experts a token uses
         found = _scan(moe, autocast=False)
         counted = {"copies": expert_lora_bytes(found["expert_blocks"], True), "inputs": tokens * found["expert_inputs"]}
-    elif name == "grouped":
-        experts.lora = {n: (torch.nn.Parameter(a), torch.nn.Parameter(b)) for n, (a, b) in pairs.items()}
-        experts.scaling = scaling
-        experts.forward = types.MethodType(lora_grouped_forward, experts)
-        trained = [(f"{n}.{part}", p) for n in PARAMETERS for part, p in zip("AB", experts.lora[n])]
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, tokens, sizes["hidden_size"], generator=g).to(dtype).requires_grad_(True)
     target = torch.randn(1, tokens, sizes["hidden_size"], generator=g).to(dtype)
@@ -179,10 +154,9 @@ def measure(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> 
     grads = {}
     for label, p in trained:
         grad = p.grad.float()
-        if name == "peft":
-            e = sizes["num_experts"]
-            grad = grad.reshape(e, -1, grad.shape[-1]) if label.endswith("A") else \
-                grad.reshape(grad.shape[0], -1, e).permute(2, 0, 1)
+        e = sizes["num_experts"]
+        grad = grad.reshape(e, -1, grad.shape[-1]) if label.endswith("A") else \
+            grad.reshape(grad.shape[0], -1, e).permute(2, 0, 1)
         grads[label] = grad.flatten().tolist() if tokens * sizes["hidden_size"] <= 4096 else None
         grads[label + " norm"] = grad.norm().item()
     return {"arm": name, "dtype": dtype_name, "tokens": tokens, "rank": rank, **sizes,
@@ -198,7 +172,7 @@ def agree(a: dict, b: dict, rel: float) -> float:
                                                                                    for k in keys]
     worst = max(abs(x - y) / max(abs(x), abs(y), 1e-12) for x, y in pairs)
     if worst > rel:
-        sys.exit(f"peft and the grouped form disagree ({worst:.2e} > {rel:g}): {a} {b}")
+        sys.exit(f"peft's path and the grouped one disagree ({worst:.2e} > {rel:g}): {a} {b}")
     return worst
 
 
@@ -247,11 +221,12 @@ def main() -> None:
             print(f"{r['dtype']}: peft and grouped agree within {r['agreement']:.1e} (loss, output, gradients)")
     for dtype in dtypes:
         by = {r["arm"]: r for r in results if r["dtype"] == dtype}
-        counted = by["peft"]["estimate_bytes"]
-        above = by["peft"]["peak_above_mib"] - by["frozen"]["peak_above_mib"]
-        print(f"{dtype}: peft's peak above the frozen experts': {above:,.1f} MiB; ftcore estimate counts "
-              f"{(counted['copies'] + counted['inputs']) / MiB:,.1f} MiB (W + s B A copies and a gradient "
-              f"{counted['copies'] / MiB:,.1f}, the matmuls' inputs {counted['inputs'] / MiB:,.1f})")
+        for name, copies in (("peft", "W + s B A copies and a gradient"), ("grouped", "the factors' copies")):
+            counted = by[name]["estimate_bytes"]
+            above = by[name]["peak_above_mib"] - by["frozen"]["peak_above_mib"]
+            print(f"{dtype}: {name}'s peak above the frozen experts': {above:,.1f} MiB; ftcore estimate counts "
+                  f"{(counted['copies'] + counted['inputs']) / MiB:,.1f} MiB ({copies} {counted['copies'] / MiB:,.1f}, "
+                  f"the matmuls' inputs {counted['inputs'] / MiB:,.1f})")
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
 

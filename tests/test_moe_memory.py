@@ -230,15 +230,19 @@ def test_init_says_how_many_parameters_a_token_uses(tmp_path, capsys):
     assert f"# Mixture of experts: {line}.\n" in (tmp_path / "plan.toml").read_text()
 
 
-# -- peft's LoRA on expert parameters --------------------------------------------------------------------
+# -- LoRA on expert parameters --------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["grouped", "peft"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_estimate_counts_the_expert_copies_peft_saves_for_backward(dtype):
-    """peft's ParamWrapper reads an adapted expert tensor as W + s B A for every expert at once, and the experts'
-    matmuls save that copy for backward (with the fp32 factors' copies in a 16-bit model's dtype): the estimate
-    counts what each adapted tensor keeps (all layers' without checkpointing) and leaves the wrappers' factors out
-    of the per-layer LoRA count."""
+def test_the_estimate_counts_what_the_expert_lora_saves_for_backward(dtype, path):
+    """ftcore's grouped path (what the lora adapter runs) keeps, beyond the experts' inputs, the rank-r intermediates
+    and B in the experts' layout (A too where cast to a 16-bit model's dtype, or padded: r=4 runs at 8 in bf16), never
+    a copy of the expert stack. peft's own path (ftcore's grouped forward off) reads an adapted expert tensor as
+    W + s B A for every expert at once, and the experts' matmuls save that copy for backward (with the fp32 factors'
+    copies in a 16-bit model's dtype). The estimate counts what each adapted tensor keeps (all layers' without
+    checkpointing) and leaves the wrappers' factors out of the per-layer LoRA count."""
     from ftcore.context import AdapterContext
     from ftcore.testing import RecordingReporter
+    from ftcore_plugins.adapters._expert_lora import disable
     from ftcore_plugins.common.estimate import _scan, expert_lora_bytes
 
     torch.manual_seed(0)
@@ -247,15 +251,24 @@ def test_the_estimate_counts_the_expert_copies_peft_saves_for_backward(dtype):
     model = lora.cls(lora.cls.Options(r=4, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj",
                                                                                       "experts.down_proj"])).apply(
         model, AdapterContext(None, RecordingReporter(), None))
+    if path == "peft":
+        disable(model)
     found = _scan(model, autocast=False)
     size = 4 if dtype == torch.float32 else 2
     gate_up, down = E * 2 * MOE_I * H * size, E * H * MOE_I * size
-    cast = 0 if dtype == torch.float32 else size  # the fp32 factors' copies, per factor element
-    kept = [gate_up + cast * E * 4 * (H + 2 * MOE_I), down + cast * E * 4 * (MOE_I + H)]
-    assert found["expert_blocks"] == [[(gate_up, kept[0]), (down, kept[1])]] * LAYERS
+    if path == "grouped":
+        r = 4 if dtype == torch.float32 else 8
+        a = 0 if dtype == torch.float32 else 1  # A cast (and padded) to bf16 too
+        kept = [E * r * (2 * MOE_I + a * H) * size, E * r * (H + a * MOE_I) * size]
+        assert found["expert_blocks"] == [[(0, kept[0]), (0, kept[1])]] * LAYERS
+        assert found["expert_inputs"] == K * (H + MOE_I + 2 * r) * size * LAYERS  # inputs and intermediates
+    else:
+        cast = 0 if dtype == torch.float32 else size  # the fp32 factors' copies, per factor element
+        kept = [gate_up + cast * E * 4 * (H + 2 * MOE_I), down + cast * E * 4 * (MOE_I + H)]
+        assert found["expert_blocks"] == [[(gate_up, kept[0]), (down, kept[1])]] * LAYERS
+        assert found["expert_inputs"] == K * (H + MOE_I) * size * LAYERS  # each input, once per routed expert
     assert found["adapted"] == [(f"base_model.model.model.layers.{i}.self_attn", "attn_in", H, 4)
                                 for i in range(LAYERS)]  # the experts' factors are not linear layers' LoRA
-    assert found["expert_inputs"] == K * (H + MOE_I) * size * LAYERS  # each input, once per routed expert
 
     existing = {p.untyped_storage().data_ptr() for p in model.parameters()}
     copies: dict[int, int] = {}
@@ -270,7 +283,8 @@ def test_the_estimate_counts_the_expert_copies_peft_saves_for_backward(dtype):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(input_ids=ids, labels=ids).loss.backward()
     assert sum(copies.values()) == LAYERS * sum(kept)
-    # Backward adds each copy's gradient: the last layer's, then with checkpointing a single layer's.
+    # Backward adds each copy's gradient on peft's path: the last layer's, then with checkpointing a single layer's.
+    grads = [0, 0] if path == "grouped" else [gate_up, down]
     assert expert_lora_bytes(found["expert_blocks"], False) == (LAYERS - 1) * sum(kept) + max(
-        kept[0] + gate_up, sum(kept) + down)
-    assert expert_lora_bytes(found["expert_blocks"], True) == max(kept[0] + gate_up, sum(kept) + down)
+        kept[0] + grads[0], sum(kept) + grads[1])
+    assert expert_lora_bytes(found["expert_blocks"], True) == max(kept[0] + grads[0], sum(kept) + grads[1])

@@ -16,6 +16,8 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
+from ftcore_plugins.adapters._expert_lora import disable as disable_grouped_experts
+from ftcore_plugins.adapters._expert_lora import enable as enable_grouped_experts
 from ftcore_plugins.common.model import report_trainable
 from ftcore_plugins.common.seq2seq import peft_task_type
 from ftcore_plugins.common.tokens import expose_head_bias, train_added_tokens
@@ -30,7 +32,8 @@ class PeftAdapter(Component):
 
     ``save`` writes the adapter folder (``save_pretrained``: adapter weights as safetensors and
     ``adapter_config.json``); ``restore`` loads it onto the base with ``PeftModel.from_pretrained``,
-    trainable; ``merge`` folds it into the weights with ``merge_and_unload``.
+    trainable; ``merge`` folds it into the weights with ``merge_and_unload``. A LoRA on fused expert parameters
+    runs per expert through transformers' grouped matmul once peft has wrapped the model (``_expert_lora``).
     """
 
     peft: ClassVar[bool] = True  # produces a peft adapter folder (the `adapter` exporter checks this)
@@ -76,6 +79,7 @@ class PeftAdapter(Component):
             if ctx.run is not None:
                 torch.manual_seed(self.init_seed(ctx.run.plan.seed))
             model = expose_head_bias(get_peft_model(model, config))
+        enable_grouped_experts(model)
         self.report_targets(model, ctx)
         counts = report_trainable(model, ctx.reporter, self.label())
         own = counts["total_params"] - counts["trainable_params"]
@@ -96,10 +100,13 @@ class PeftAdapter(Component):
         from peft import PeftModel
 
         model = expose_head_bias(PeftModel.from_pretrained(base, path, is_trainable=True))
+        enable_grouped_experts(model)
         return model
 
     def merge(self, model):
-        return model.merge_and_unload()
+        merged = model.merge_and_unload()
+        disable_grouped_experts(merged)  # no factors left to hand over: transformers' own experts forward again
+        return merged
 
 
 class LoraCommonOptions(Options):
@@ -152,7 +159,9 @@ class LoraAdapter(PeftAdapter):
         config = self.peft_config(model, ctx)
         config.init_lora_weights = True
         config.loftq_config = {}
-        return get_peft_model(model, config, low_cpu_mem_usage=True)
+        model = get_peft_model(model, config, low_cpu_mem_usage=True)
+        enable_grouped_experts(model)  # the estimate counts what the experts' LoRA then saves
+        return model
 
     def peft_config(self, model, ctx):
         from peft import LoraConfig
@@ -194,7 +203,8 @@ class LoraAdapter(PeftAdapter):
     def check_parameters(self, model, targets, renamed: list[str], kwargs: dict[str, Any]) -> None:
         """Refuse, in one line, what peft's LoRA on parameters (``ParamWrapper``) cannot do: DoRA, an
         initialisation that reads a layer's weight matrix (PiSSA, OLoRA, LoftQ; an experts module has
-        none), dropout (peft adds the update to the weight itself: there is no adapter input to drop)."""
+        none), dropout (peft's ``ParamWrapper`` refuses it, so its adapter file would not load in plain peft, though
+        ftcore's grouped path has an adapter input to drop)."""
         from ftcore_plugins.adapters._targets import parameter_names
 
         model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)

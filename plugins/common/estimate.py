@@ -439,8 +439,8 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
         "head_grad": 0,
         "cast_cache": 0,  # 16-bit copies of trainable fp32 matrices that autocast keeps through the forward
         "bnb_bits": getattr(model, BNB_BASE, 0) if model is not None else 0,
-        "expert_blocks": [],  # peft's LoRA on expert parameters: per experts module, (copy, kept) bytes a tensor
-        "expert_inputs": 0,  # bytes per token those adapted matmuls keep: each input, once per routed expert
+        "expert_blocks": [],  # LoRA on expert parameters: per experts module, (gradient, kept) bytes a tensor
+        "expert_inputs": 0,  # bytes per token the adapted matmuls keep: inputs (rank-r products) per routed expert
     }
     if model is None:
         return found
@@ -471,13 +471,22 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
 
 def _expert_lora(model: Any, found: dict[str, Any]) -> set[int]:
     """Fill ``found``'s expert terms from peft's ``ParamWrapper`` layers (LoRA through ``target_parameters``) on 3-D
-    expert parameters; the ids of their LoRA factors, which the per-layer LoRA count leaves out.
+    expert parameters; the ids of their LoRA factors, which the per-layer LoRA count leaves out. Each tensor is
+    entered as (the gradient backward makes of a whole-stack copy, or 0; what the tensor keeps through backward),
+    and its matmuls' inputs per token, for the path it runs:
 
-    While its experts module runs, such a parameter reads as ``W + s B A`` for every expert at once (peft 0.21's
-    ``_LoraFactorsProxy``: one ``baddbmm`` over the whole expert stack, its factors cast to the weight's dtype),
-    which the experts' matmuls save for backward with their inputs (one row per routed token); backward then makes
-    its gradient, as large again. Each tensor is entered as (the copy's bytes, what it keeps: the copy and the
-    factors' cast copies where their dtype differs)."""
+    - ftcore's grouped path (``plugins/adapters/_expert_lora.py``, what the ``lora`` adapter runs on transformers'
+      experts): the frozen weight's grouped matmul plus ``s (x A^T) B^T`` per expert. Backward keeps, per routed
+      token, the input (for A's gradient) and the rank-r intermediate (for B's); per tensor, B in the experts'
+      layout (a copy), and A where it is cast to the weight's dtype or padded to the 16-byte rank the grouped
+      matmul needs. No copy of the expert stack, no gradient as large.
+    - peft's own path, where the grouped one cannot run (``_expert_lora.why_not``): the parameter reads as
+      ``W + s B A`` for every expert at once (peft 0.21's ``_LoraFactorsProxy``: one ``baddbmm`` over the whole
+      expert stack, its factors cast to the weight's dtype), which the experts' matmuls save for backward with
+      their inputs (one row per routed token); backward then makes its gradient, as large again. Kept: the copy
+      and the factors' cast copies where their dtype differs."""
+    from ftcore_plugins.adapters._expert_lora import padded_rank, runs_grouped
+
     blocks: dict[int, dict[str, tuple[int, int]]] = {}
     order: dict[int, list[str]] = {}
     ids: set[int] = set()
@@ -491,10 +500,18 @@ def _expert_lora(model: Any, found: dict[str, Any]) -> set[int]:
         if param.dim() != 3:
             continue
         size = param.element_size()
-        copy = param.numel() * size
-        cast = sum(p.numel() for p in factors if p.dtype != param.dtype) * size
         base = module.get_base_layer()
         order.setdefault(id(base), [n for n, _ in base.named_parameters(recurse=False)])
+        if runs_grouped(module):
+            a = module.lora_A[next(n for n in module.active_adapters if n in module.lora_A)].weight
+            rank = padded_rank(a.shape[0] // module.num_experts, param.dtype)
+            copied_a = a.dtype != param.dtype or rank * module.num_experts != a.shape[0]
+            kept = module.num_experts * rank * (module.out_features + (module.in_features if copied_a else 0)) * size
+            blocks.setdefault(id(base), {})[module.parameter_name] = (0, kept)
+            found["expert_inputs"] += per_token * (module.in_features + rank) * size
+            continue
+        copy = param.numel() * size
+        cast = sum(p.numel() for p in factors if p.dtype != param.dtype) * size
         blocks.setdefault(id(base), {})[module.parameter_name] = (copy, copy + cast)
         found["expert_inputs"] += per_token * module.in_features * size
     for key, sizes in blocks.items():  # in model order; each block's tensors in their declared (forward) order
@@ -503,12 +520,15 @@ def _expert_lora(model: Any, found: dict[str, Any]) -> set[int]:
 
 
 def expert_lora_bytes(blocks: list[list[tuple[int, int]]], checkpointing: bool) -> int:
-    """The peak of peft's ``W + s B A`` copies (:func:`_expert_lora`) in one step. Backward takes a block's tensors
-    in reverse order: when it reaches one, that tensor's gradient (a copy's size) joins what the tensors not yet
-    backpropagated keep. Without checkpointing every block keeps its copies from the forward, so the last block's
-    backward sees them all; with it only the block being recomputed has any. On one Qwen3-30B-A3B block at 512
-    tokens the step's peak was 1,549 MiB above the frozen experts' in bf16 (this count and the inputs: 1,536 +
-    22 MiB), 3,050 MiB in fp32 (3,072 + 44): benchmarks/RESULTS.md, "Expert LoRA memory (issue #42)"."""
+    """The peak of what the expert LoRA keeps (:func:`_expert_lora`) in one step. Backward takes a block's tensors in
+    reverse order: when it reaches one, that tensor's gradient (a copy's size on peft's path, none on the grouped
+    one) joins what the tensors not yet backpropagated keep. Without checkpointing every block keeps its tensors from
+    the forward, so the last block's backward sees them all; with it only the block being recomputed has any.
+    Measured on one Qwen3-30B-A3B block at 512 tokens, r=16 (benchmarks/RESULTS.md, "Expert LoRA memory (issue
+    #42)"): the grouped path saved exactly what this counts with the inputs (36.2 MiB above the frozen experts' in
+    bf16, 72.5 in fp32), and its step peaked 84.3 and 73.6 MiB above theirs (bf16 backward's transients, one block
+    at a time, not counted); peft's path peaked 1,546 MiB above in bf16 (counted: 1,536 + 22 MiB of inputs),
+    3,086 in fp32 (3,072 + 44)."""
     held = peak = 0
     for tensors in blocks:
         kept = 0
@@ -557,9 +577,10 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     and four MLP-width tensors (gate, up, activation, product). LoRA keeps its A outputs, and
     on a 16-bit base a copy of each adapted layer's input in the adapter's dtype; on a 4-bit
     bitsandbytes base where 16 bits are involved, :func:`_bnb_layer_bytes`. A LoRA on expert
-    parameters (peft's ``ParamWrapper``): the copies of :func:`expert_lora_bytes` and the experts'
-    inputs. Under autocast, the 16-bit copies of the trainable fp32 weights that autocast caches
-    through the forward. Then
+    parameters (peft's ``ParamWrapper``): what :func:`expert_lora_bytes` counts (ftcore's grouped path: factor
+    copies; peft's: the expert stack's copies and a gradient) and the experts' inputs (and rank-r
+    intermediates), per :func:`_expert_lora`. Under autocast, the 16-bit copies of the trainable fp32 weights
+    that autocast caches through the forward. Then
     the loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM
     head. With checkpointing only each layer's input is kept, and one layer at a time is
     recomputed in backward, with its gradients.

@@ -3,10 +3,11 @@ that holds after training.
 
 For each family this transformers has, a tiny random model is saved with a real tokenizer (../shared
 fixtures). The exporter's validate-time check (``gguf.converter_job`` then ``llama_cpp_converter.check``:
-the converter's own code on the config and tokenizer files alone, no weights) either refuses it, in one line
-naming the family and why, or accepts it; then every accepted family is really converted, from its weights,
-and llama.cpp loads the file and evaluates a prompt with it. An accepted family that fails there is what the
-check missed. All the checks run in one converter process per half of the families, and so do the
+the converter's own code on the config and tokenizer files alone, no weights, its tensors' shapes from the
+model transformers builds on the meta device, and llama.cpp loading the file without its data) either refuses
+it, in one line naming the family and why, or accepts it; then every accepted family is really converted,
+from its weights, and llama.cpp loads the file and evaluates a prompt with it. An accepted family that fails
+there is what the check missed. All the checks run in one converter process per half of the families, and so do the
 conversions (each process imports torch and the converter once), the halves side by side; under
 pytest-xdist the first worker to ask computes them and the other reads them (``computed_once``).
 """
@@ -59,6 +60,13 @@ CASES = {
     "qwen3_5_text-narrow-heads": ("qwen3_5_text", "qwen3", dict(SIZES, **LINEAR)),
     "gemma2": ("gemma2", "llama3", dict(SIZES, query_pre_attn_scalar=16, sliding_window=16)),
     "gemma3_text": ("gemma3_text", "llama3", dict(SIZES, query_pre_attn_scalar=16, sliding_window=16)),
+    # An embedding of Qwen2.5's 151,936 rows, more than its tokenizer's 151,665 tokens (as Qwen2.5's checkpoints):
+    # Gemma 3's converter keeps only the tokenizer's rows of it, and writes a vocabulary of the embedding's size
+    # (llama.cpp: token_embd has the wrong shape); Gemma 2's reads a tokenizer.model, which Qwen's has not.
+    "gemma3_text-padded-embedding": ("gemma3_text", "qwen25", dict(SIZES, query_pre_attn_scalar=16, sliding_window=16,
+                                                                   vocab_size=151936)),
+    "gemma2-padded-embedding": ("gemma2", "qwen25", dict(SIZES, query_pre_attn_scalar=16, sliding_window=16,
+                                                         vocab_size=151936)),
     "phi3": ("phi3", "llama3", SIZES),
     "phimoe": ("phimoe", "llama3", dict(SIZES, **MOE, num_local_experts=4)),
     "gpt_oss": ("gpt_oss", "llama3", dict(SIZES, **MOE, num_local_experts=4,
@@ -70,6 +78,8 @@ CASES = {
     "olmo2": ("olmo2", "llama3", SIZES),
     # OLMoE's attention as the published model's, without grouped key/value heads (see the report).
     "olmoe": ("olmoe", "llama3", dict(SIZES, **MOE, num_experts=4, num_key_value_heads=4)),
+    # With grouped key/value heads: llama.cpp's OLMoE has none (its k_norm is hidden_size wide).
+    "olmoe-grouped-kv": ("olmoe", "llama3", dict(SIZES, **MOE, num_experts=4)),
     "granite": ("granite", "llama3", SIZES),
     "granitemoe": ("granitemoe", "llama3", dict(SIZES, **MOE, num_local_experts=4)),
     "granitemoehybrid": ("granitemoehybrid", "llama3", dict(
@@ -84,6 +94,10 @@ CASES = {
     "falcon_h1": ("falcon_h1", "llama3", dict(SIZES, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
                                               mamba_d_state=16, mamba_chunk_size=16)),
     "lfm2": ("lfm2", "llama3", dict(SIZES, layer_types=["conv", "full_attention"])),
+    # Its converter compares the output layer with the embedding, values not shapes (torch.equal): the check
+    # runs without the tensors there, as the converter's --vocab-only, and must not refuse it.
+    "mamba-untied": ("mamba", "llama3", dict(hidden_size=64, num_hidden_layers=2, state_size=8,
+                                             tie_word_embeddings=False)),
     "smollm3": ("smollm3", "llama3", SIZES),
     "glm4": ("glm4", "llama3", SIZES),
     "glm4_moe": ("glm4_moe", "llama3", dict(SIZES, **MOE, n_routed_experts=4, n_shared_experts=1,
@@ -109,8 +123,9 @@ def tiny_model(folder: Path, model_type: str, tokenizer, name: str, fields: dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, **fields)
+    fields = {"vocab_size": len(tokenizer), **fields}  # the tokenizer's, unless the case says
+    config = AutoConfig.for_model(model_type, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=pad, **fields)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     for file in (SHARED / "tokenizers" / name).iterdir():
@@ -191,8 +206,14 @@ REFUSED = {
     "phimoe": "llama.cpp's converter in",
     "gptj": "llama.cpp's converter in",
     "granitemoehybrid-qwen3-vocab": "it writes a vocabulary of 151672 tokens for an embedding of 151669 rows",
+    # Shapes llama.cpp refuses, found by loading the file the converter writes from the tensors' shapes alone.
+    "gemma3_text-padded-embedding": "llama.cpp cannot load the file it writes: check_tensor_dims: tensor "
+                                    "'token_embd.weight' has wrong shape; expected 64, 151936, got 64, 151665",
+    "olmoe-grouped-kv": "llama.cpp cannot load the file it writes: check_tensor_dims: tensor "
+                        "'blk.0.attn_k_norm.weight' has wrong shape; expected 64, got 32",
     # Llama 3's tokenizer.json, where these read a SentencePiece tokenizer.model or GLM's own special tokens.
     "gemma2": "its tokenizer: FileNotFoundError: File not found: tokenizer.model",
+    "gemma2-padded-embedding": "its tokenizer: FileNotFoundError: File not found: tokenizer.model",
     "phi3": "its tokenizer: ValueError: Error: Missing tokenizer.model",
     "ernie4_5_moe": "its tokenizer: FileNotFoundError: File not found: tokenizer.model",
     "glm4": "its tokenizer: KeyError:",
@@ -228,12 +249,24 @@ def test_validate_refuses_in_one_line_or_the_family_converts_and_loads(families,
         llm.close()
 
 
-def test_validate_names_the_family_and_the_reason(families, tmp_path):
+# Case: the line ``ftcore validate`` prints after the plan's file and key: the family and the converter's reason.
+CLI_LINES = {
+    "gemma2": "llama.cpp's converter ({tree}) cannot write this 'gemma2' model (Gemma2ForCausalLM): its tokenizer: "
+              "FileNotFoundError: File not found: tokenizer.model",
+    "olmoe-grouped-kv": "llama.cpp's converter ({tree}) cannot write this 'olmoe' model (OlmoeForCausalLM): llama.cpp "
+                        "cannot load the file it writes: check_tensor_dims: tensor 'blk.0.attn_k_norm.weight' has "
+                        "wrong shape; expected 64, got 32, 1, 1, 1",
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_LINES))
+def test_validate_names_the_family_and_the_reason(families, tmp_path, case):
     """``ftcore validate`` on a plan whose model llama.cpp's converter refuses: one line on stderr, naming the
-    plan's file and key, the family and the converter's reason, exit 2, before any weight is read."""
-    model = families["gemma2"].get("model")
+    plan's file and key, the family and the converter's reason, exit 2, before any weight is read; a tensor
+    shape llama.cpp refuses as much as a tokenizer the converter cannot read."""
+    model = families[case].get("model")
     if model is None:
-        pytest.skip("this transformers has no gemma2")
+        pytest.skip(f"this transformers has no {CASES[case][0]}")
     shutil.copytree(model, tmp_path / "base", ignore=shutil.ignore_patterns("*.gguf"))
     (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                                                    {"role": "assistant", "content": "hello"}]}) + "\n")
@@ -244,5 +277,4 @@ def test_validate_names_the_family_and_the_reason(families, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [line for line in r.stderr.splitlines() if "export[0]" in line]
     assert len(lines) == 1, r.stderr
-    assert f"{plan}: export[0].use: llama.cpp's converter ({TREE.name}) cannot write this 'gemma2' model " \
-           "(Gemma2ForCausalLM): its tokenizer: FileNotFoundError: File not found: tokenizer.model" in lines[0], lines
+    assert f"{plan}: export[0].use: " + CLI_LINES[case].format(tree=TREE.name) in lines[0], lines

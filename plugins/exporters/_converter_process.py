@@ -2,6 +2,15 @@
 it): ftcore's patches to ``convert_hf_to_gguf.py``, and the check ``ftcore validate`` runs on a model's config
 and tokenizer, without weights, through the converter's own code.
 
+The check (``check_folder``) is the converter's ``write()`` on the tensors the model saves, known without their
+values: transformers builds the model from its config on the meta device, and its state dict, as
+``save_pretrained`` writes it, gives each tensor's name, shape and dtype. The converter maps and reshapes them
+(``prepare_tensors``, its ``modify_tensors``), sets every metadata key and the tokenizer, and the file is written
+with its header, metadata and tensor infos, the data section a hole (a sparse file: a 30B model's costs a few
+MB of disk). llama.cpp then loads it without data (``no_alloc``): the vocabulary, every key, and each tensor's
+name and shape against those its architecture creates (the shapes a family's converter gets wrong for a config:
+an OLMoE with grouped key/value heads, a Gemma 3 whose embedding has more rows than its tokenizer has tokens).
+
 That process puts the converter's tree (its ``conversion`` package and ``gguf-py``) first on ``sys.path`` and
 then imports this module: it imports nothing but the standard library at the top, so the converter's own
 ``gguf`` is the one every later import gets.
@@ -27,6 +36,7 @@ The patches, each for a model transformers saved (the exporter converts nothing 
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import traceback
@@ -35,6 +45,8 @@ from typing import Any
 
 # Where a failure was, by the converter's functions on the stack: reading the tokenizer, else the config.
 TOKENIZER_FRAMES = ("set_vocab", "_set_vocab_", "get_vocab_base", "_create_vocab_", "SpecialVocab", "_try_load")
+# ... mapping and reshaping the model's tensors.
+TENSOR_FRAMES = ("prepare_tensors", "modify_tensors", "generate_extra_tensors")
 # Texts for a stand-in of the scratch loader's tokenizer (trained on the plan's data at run time): the same
 # trainer on these gives a tokenizer of the same kind (byte-level BPE, GPT-2's regex, its special tokens).
 SAMPLE = ["The quick brown fox jumps over the lazy dog.", "Which word is an animal? red cat tree 42",
@@ -168,12 +180,7 @@ def patch(eot: int | None, pre: str | None, untie: bool = False) -> None:
         prepare_tensors = ModelBase.prepare_tensors
 
         def with_output(self):
-            tensors = self.model_tensors
-            names = {name: self.tensor_map.get_name(name, try_suffixes=(".weight", ".bias")) for name in tensors}
-            embedding = next((n for n, mapped in names.items()
-                              if mapped == self.format_tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
-            if embedding is not None and self.format_tensor_name(gguf.MODEL_TENSOR.OUTPUT) not in names.values():
-                tensors["lm_head.weight"] = tensors[embedding]  # the tied weight, under the output layer's name
+            add_output(self)
             return prepare_tensors(self)
 
         ModelBase.prepare_tensors = with_output
@@ -197,23 +204,46 @@ def patch(eot: int | None, pre: str | None, untie: bool = False) -> None:
     TextModel.get_vocab_base_pre = named_pre_tokenizer
 
 
+def add_output(model: Any) -> bool:
+    """A tied output layer written out: the token embedding's tensor under the output layer's name, where the
+    model has no output tensor of its own (the ``untie`` patch). Whether it added one."""
+    import gguf
+
+    tensors = model.model_tensors
+    names = {name: model.tensor_map.get_name(name, try_suffixes=(".weight", ".bias")) for name in tensors}
+    embedding = next((n for n, mapped in names.items()
+                      if mapped == model.format_tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
+    if embedding is None or model.format_tensor_name(gguf.MODEL_TENSOR.OUTPUT) in names.values():
+        return False
+    tensors["lm_head.weight"] = tensors[embedding]  # the tied weight, under the output layer's name
+    return True
+
+
 def check(job: dict[str, Any]) -> str | None:
     """Why llama.cpp's converter (and llama.cpp) cannot write this model, or None: what the converter does
-    before it reads a weight. ``job``: ``folder`` (a config.json and tokenizer files, no weights; for the
-    scratch loader an empty folder and ``scratch``, its options, built here as the loader builds them),
-    ``architectures`` (the class names transformers saves), ``tokenizer`` (whether its files are there)."""
+    with it short of reading a weight's values, and llama.cpp loading the result without them. ``job``:
+    ``folder`` (a config.json and tokenizer files, no weights; for the scratch loader an empty folder and
+    ``scratch``, its options, built here as the loader builds them), ``architectures`` (the class names
+    transformers saves), ``tokenizer`` (whether its files are there)."""
     folder = Path(job["folder"])
     try:
         if job.get("scratch") is not None:
             build_scratch(folder, job["scratch"], job.get("architectures"))
-        return clean(check_folder(folder, job.get("architectures"), job.get("tokenizer", True)), folder)
+        try:
+            why = check_folder(folder, job.get("architectures"), job.get("tokenizer", True))
+        except NeedsWeights:  # a converter step read a weight's values past prepare_tensors: the check without them
+            why = check_folder(folder, job.get("architectures"), job.get("tokenizer", True), tensors=False)
+        return clean(why, folder)
     except Exception as exc:  # noqa: BLE001 - anything the converter raises is the answer
-        part = "tokenizer" if any(frame.name.startswith(TOKENIZER_FRAMES)
-                                  for frame in traceback.extract_tb(exc.__traceback__)) else "config"
+        frames = [frame.name for frame in traceback.extract_tb(exc.__traceback__)]
+        part = "tokenizer" if any(name.startswith(TOKENIZER_FRAMES) for name in frames) else \
+            "tensors" if any(name.startswith(TENSOR_FRAMES) for name in frames) else "config"
         return clean(f"its {part}: {type(exc).__name__}: {exc}", folder)
 
 
-def check_folder(folder: Path, architectures: list[str] | None, tokenizer: bool) -> str | None:
+def check_folder(folder: Path, architectures: list[str] | None, tokenizer: bool, tensors: bool = True) -> str | None:
+    """``check`` on a folder: the converter's ``write()`` on the tensors the model saves, their shapes without
+    data (``tensors``), then llama.cpp loading the file it writes, without the data."""
     import gguf
     from conversion import ModelBase, ModelType, get_model_architecture
     import conversion
@@ -226,14 +256,22 @@ def check_folder(folder: Path, architectures: list[str] | None, tokenizer: bool)
         cls = conversion.get_model_class(arch)
     except NotImplementedError:
         return f"it does not convert {arch}"
-    out = folder / "vocab-only.gguf"
-    model = cls(folder, gguf.LlamaFileType.MOSTLY_F16, out, hparams=hparams)
+    out = folder / "check.gguf"
+    model = cls(folder, gguf.LlamaFileType.MOSTLY_F16, out, hparams=copy.deepcopy(hparams))
+    # The converter's write(), on the tensors the model saves (shapes, no data): each tensor mapped and reshaped
+    # as its modify_tensors does, into the writer's tensor infos; then every metadata key (set_gguf_parameters)
+    # and the tokenizer (set_vocab). Where a step reads a weight's values (a few converters compare or read
+    # one: NeedsWeights), check() runs this again without the tensors: the converter's --vocab-only.
+    state = saved_tensors(folder, arch) if tensors else None
+    shapes = bool(state)
+    if shapes:
+        with_tensors(model, state)
+        model.prepare_tensors()
     if not tokenizer:
         model.set_gguf_parameters()
         return None
     rows = model.hparams.get("vocab_size")  # the embedding's (a converter may pad its own copy)
-    # The converter's --vocab-only: every metadata key (set_gguf_parameters), then the tokenizer (set_vocab).
-    model.write_vocab()
+    model.prepare_metadata(vocab_only=not shapes)
     keys = {k: v.value for k, v in model.gguf_writer.kv_data[0].items()}
     tokens = len(keys.get(gguf.Keys.Tokenizer.LIST) or []) or None
     if tokens is not None and isinstance(rows, int) and tokens != rows:
@@ -241,28 +279,182 @@ def check_folder(folder: Path, architectures: list[str] | None, tokenizer: bool)
                 f"llama.cpp loads a file only where they match")
     # M-RoPE sections wider than a head: llama.cpp's rope kernel asserts on the first token (it aborts the
     # process) where the converter writes its default sections (Qwen3.5's [11, 11, 10]) for narrower heads.
-    arch = keys.get(gguf.Keys.General.ARCHITECTURE)
-    sections, head = keys.get(f"{arch}.rope.dimension_sections"), keys.get(f"{arch}.attention.key_length")
+    name = keys.get(gguf.Keys.General.ARCHITECTURE)
+    sections, head = keys.get(f"{name}.rope.dimension_sections"), keys.get(f"{name}.attention.key_length")
     if sections and head and sum(sections) > head:
         return (f"it writes rope sections {list(sections)} ({sum(sections)} dimensions) for heads of {head}, on which "
                 f"llama.cpp's rope kernel aborts; heads of at least {sum(sections)} (head_dim), or mrope_section in "
                 f"rope_parameters, fit")
-    return llama_cpp_reads(out)
+    # The file as the export writes it, without its data, loaded by llama.cpp: the vocabulary, every key and,
+    # with the tensors, each one's name and shape against those llama.cpp's architecture creates.
+    write_without_data(model.gguf_writer, out)
+    why = llama_cpp_loads(out, vocab_only=not shapes)
+    if shapes and why is not None and "'output.weight' not found" in why:
+        # As the export does where llama.cpp wants an output layer: the tied one written out (convert_models).
+        again = cls(folder, gguf.LlamaFileType.MOSTLY_F16, out, hparams=copy.deepcopy(hparams))
+        with_tensors(again, state)
+        if add_output(again):
+            again.prepare_tensors()
+            again.gguf_writer.kv_data = model.gguf_writer.kv_data  # the same keys and vocabulary
+            write_without_data(again.gguf_writer, out)
+            why = llama_cpp_loads(out)
+    return why
 
 
-def llama_cpp_reads(path: Path) -> str | None:
-    """llama.cpp's reason for refusing the vocabulary the converter wrote (where llama-cpp-python is installed)."""
+class NeedsWeights(Exception):
+    """A step of the converter that reads a weight's values, not only its shape: not known without the weights."""
+
+
+def saved_tensors(folder: Path, architecture: str) -> dict[str, Any] | None:
+    """The model's tensors as ``save_pretrained`` writes them, on the meta device (names, shapes, dtypes, no
+    data), from its config: transformers' own model class built on the meta device, its state dict with what
+    saving leaves out (tied weights, ignored keys) left out and transformers 5's load-time conversions reverted
+    (MoE experts fused into 3-D parameters are saved one tensor per expert). None where transformers cannot build
+    it (a family it has no class for)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        # What save_pretrained does to the state dict (transformers 5); another transformers: no shapes.
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        config = AutoConfig.from_pretrained(folder)
+        model_class = getattr(transformers, architecture, None) or AutoModelForCausalLM
+        with torch.device("meta"):
+            model = model_class._from_config(config) if hasattr(model_class, "_from_config") \
+                else model_class.from_config(config)
+        state = model.state_dict()
+        for key in getattr(model, "_keys_to_ignore_on_save", None) or []:
+            state.pop(key, None)
+        return revert_weight_conversion(model, remove_tied_weights_from_state_dict(state, model))
+    except Exception:  # noqa: BLE001 - no model to take the shapes from: the check without them
+        return None
+
+
+def with_tensors(model: Any, state: dict[str, Any]) -> None:
+    """The converter's model given the saved tensors (``saved_tensors``) as its lazy tensors, as it indexes them
+    from safetensors files, each one raising ``NeedsWeights`` where its values are asked for."""
+    from conversion.base import LazyTorchTensor
+
+    def values(name: str):
+        def unknown():
+            raise NeedsWeights(name)
+        return unknown
+
+    tensors = {}
+    for name, tensor in state.items():
+        meta = tensor.detach()  # a plain meta tensor (the state dict's are parameters)
+        item = model.filter_tensors((name, lambda meta=meta, name=name: LazyTorchTensor(
+            meta=meta, args=(), func=values(name))))
+        if item:
+            tensors[item[0]] = item[1]
+    model.model_tensors = tensors
+
+
+def write_without_data(writer: Any, path: Path) -> None:
+    """The GGUF file as the converter writes it, header, metadata and tensor infos, with its data section a hole:
+    a sparse file of the full size, so a 60 GB model costs no disk and llama.cpp finds every tensor in bounds."""
+    import os
+
+    whole_arrays(writer)
+    writer.write_header_to_file(path=path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    [infos] = writer.tensors
+    size = sum(writer.ggml_pad(info.nbytes, writer.data_alignment) for info in infos.values())
+    for info in infos.values():
+        info.tensor = None  # never evaluated
+    [fout] = writer.fout
+    writer.write_padding(fout, fout.tell())
+    fout.flush()
+    os.truncate(fout.fileno(), fout.tell() + size)
+    writer.close()
+
+
+def whole_arrays(writer: Any) -> None:
+    """The writer's metadata arrays packed whole, not item by item: the same bytes as its ``_pack_val``, in a
+    fraction of the time (a 150k-token vocabulary's tokens, types and merges took seconds)."""
+    import struct
+    from collections.abc import Sequence
+
+    from gguf import GGUFEndian, GGUFValueType
+
+    if writer.endianess != GGUFEndian.LITTLE:
+        return
+    by_item = writer._pack_val
+
+    def packed(val: Any, vtype: Any, add_vtype: bool, sub_type: Any = None) -> bytes:
+        if vtype != GGUFValueType.ARRAY or not isinstance(val, Sequence) or isinstance(val, (str, bytes)) or not val:
+            return by_item(val, vtype, add_vtype, sub_type)
+        item = sub_type if sub_type is not None else GGUFValueType.get_type(val[0])
+        if sub_type is None and not all(GGUFValueType.get_type(v) is item for v in val):
+            return by_item(val, vtype, add_vtype, sub_type)  # its error
+        head = (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", item, len(val))
+        if item == GGUFValueType.STRING:
+            encoded = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in val]
+            return head + b"".join(struct.pack("<Q", len(v)) + v for v in encoded)
+        fmt = writer._simple_value_packing.get(item)
+        if fmt is None:
+            return by_item(val, vtype, add_vtype, sub_type)
+        return head + struct.pack(f"<{len(val)}{fmt}", *val)
+
+    writer._pack_val = packed
+
+
+def llama_cpp_loads(path: Path, vocab_only: bool = False) -> str | None:
+    """llama.cpp's reason for refusing the file the converter wrote (where llama-cpp-python is installed): a
+    model load without its data (``no_alloc``: no buffer, no read), which checks every key, the vocabulary and
+    each tensor's name and shape as llama.cpp creates the architecture's tensors, and their number."""
     import importlib.util
 
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    from ftcore_plugins.common.run_model import load_gguf
+    import ctypes
 
+    import llama_cpp._logger
+    from llama_cpp import llama_cpp as lib
+
+    from ftcore_plugins.common.run_model import GGML_LOG_CONT, GGML_LOG_ERROR
+
+    errors: list[str] = []
+    level = [0]
+    reached_data = [False]
+
+    @lib.llama_log_callback
+    def keep_errors(at: int, text: bytes, user_data: Any) -> None:
+        if at == GGML_LOG_ERROR or (at == GGML_LOG_CONT and level[0] == GGML_LOG_ERROR):
+            errors.append(text.decode("utf-8", "replace"))
+        level[0] = at if at != GGML_LOG_CONT else level[0]
+
+    @lib.llama_progress_callback
+    def stop(progress: float, user_data: Any) -> bool:
+        reached_data[0] = True  # past every shape check; there is no data to read
+        return False
+
+    lib.llama_log_set(keep_errors, ctypes.c_void_p(0))
     try:
-        load_gguf(path, vocab_only=True, verbose=False).close()
-    except ValueError as exc:
-        return f"llama.cpp cannot read the vocabulary it writes: {exc}"
-    return None
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.vocab_only = vocab_only
+        params.no_alloc = True
+        params.n_gpu_layers = 0
+        params.load_mode = lib.LLAMA_LOAD_MODE_NONE
+        params.use_extra_bufts = False
+        params.progress_callback = stop
+        loaded = lib.llama_model_load_from_file(str(path).encode(), params)
+    finally:
+        lib.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+    if loaded:
+        lib.llama_model_free(loaded)
+        return None
+    if reached_data[0]:
+        return None
+    reason = " ".join("".join(errors).split())
+    reason = reason.split("error loading model: ", 1)[-1].split(" llama_model_load_from_file_impl:")[0]
+    what = "the vocabulary it writes" if vocab_only else "the file it writes"
+    return f"llama.cpp cannot load {what}: {reason or 'no reason given'}"
 
 
 def build_scratch(folder: Path, options: dict[str, Any], architectures: list[str] | None) -> None:

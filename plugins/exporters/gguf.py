@@ -299,7 +299,8 @@ class GgufExporter(Component):
 
     def converter_problem(self, plan, kind: str) -> str | None:
         """Why llama.cpp's converter cannot write the plan's model, from its config and tokenizer alone
-        (``llama_cpp_converter.check``: the converter's own code without the weights), or None, also when
+        (``llama_cpp_converter.check``: the converter's own code on the tensors' shapes, without the weights, and
+        llama.cpp loading the file without its data), or None, also when
         neither is known before loading (a hub id not in the local cache). It runs in a process that imports
         torch and the converter, several seconds; the answer is cached by the files and options it read."""
         tree = converter.find_converter(self.options.converter_path)

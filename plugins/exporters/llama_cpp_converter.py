@@ -240,10 +240,11 @@ def convert(tree: Path, jobs: list[tuple[Path, Path, str]], name: str | None = N
 def check(tree: Path, jobs: list[dict], pre_tokenizer: str | None = None, timeout: float = 1800) -> list[str | None]:
     """For each job (a folder with a model's config.json and tokenizer files, no weights; see
     ``_converter_process.check``), why llama.cpp's converter in ``tree`` cannot write that model, or None:
-    everything the converter does before it reads a weight (the architecture, every metadata key, the
-    tokenizer, with llama.cpp reading back the vocabulary it writes). One process for all the jobs: it
-    imports torch, transformers and the converter (several seconds), then takes a few seconds a job for a
-    128k-token vocabulary."""
+    everything the converter does short of reading a weight's values (the architecture, every tensor's name
+    and shape from the model transformers builds on the meta device, every metadata key, the tokenizer), with
+    llama.cpp loading the file it writes, data left out. One process for all the jobs: it imports torch,
+    transformers and the converter (several seconds), then takes a few seconds a job for a 128k-token
+    vocabulary."""
     with tempfile.TemporaryDirectory(prefix="ftcore-gguf-check-") as tmp:
         listed, answers = Path(tmp) / "jobs.json", Path(tmp) / "answers.json"
         listed.write_text(json.dumps(jobs), encoding="utf-8")

@@ -10,11 +10,11 @@ experts frozen; transformers' default ``grouped_mm`` experts forward), one forwa
 - ``frozen``: no adapter; the gradient flows to the block's input only.
 - ``peft``: LoRA of rank ``--rank`` on ``experts.gate_up_proj`` and ``experts.down_proj`` through
   peft's ``target_parameters`` (``ParamWrapper``), with ftcore's grouped forward switched off
-  (``_expert_lora.disable``): while the block runs, the parameter reads as ``W + s B A`` for every
+  (``expert_lora.disable``): while the block runs, the parameter reads as ``W + s B A`` for every
   expert at once (one ``baddbmm`` over the whole expert stack), which the experts' matmuls then read
   and save.
 - ``grouped``: the same peft adapter with ftcore's grouped forward on, as the ``lora`` adapter applies
-  it (``plugins/adapters/_expert_lora.py``, ``enable``): each projection is the frozen weight's grouped
+  it (``plugins/common/expert_lora.py``, ``enable``): each projection is the frozen weight's grouped
   matmul plus ``s (x A^T) B^T`` per expert on its own tokens, over transformers' ``_grouped_linear``.
 
 The two LoRA arms start from the same nonzero factors; their outputs and gradients (the input's, the
@@ -103,7 +103,7 @@ def measure(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> 
     if name != "frozen":
         from peft import LoraConfig, inject_adapter_in_model
 
-        from ftcore_plugins.adapters import _expert_lora
+        from ftcore_plugins.common import expert_lora
         from ftcore_plugins.common.estimate import _scan, expert_lora_bytes
 
         pairs = factors(experts, rank, dtype)
@@ -121,10 +121,10 @@ def measure(name: str, sizes: dict, tokens: int, rank: int, dtype_name: str) -> 
                 assert w.scaling["default"] == scaling
         trained = [(f"{n}.{part}", getattr(wrappers[n], f"lora_{part}")["default"].weight) for n in PARAMETERS
                    for part in "AB"]
-        assert _expert_lora.enable(moe) == 2  # what the lora adapter does once peft has wrapped the model
+        assert expert_lora.enable(moe) == 2  # what the lora adapter does once peft has wrapped the model
         if name == "peft":
-            _expert_lora.disable(moe)
-        assert [_expert_lora.runs_grouped(w) for w in wrappers.values()] == [name == "grouped"] * 2
+            expert_lora.disable(moe)
+        assert [expert_lora.runs_grouped(w) for w in wrappers.values()] == [name == "grouped"] * 2
         moe.config = experts.config  # where the estimate reads how many experts a token uses
         found = _scan(moe, autocast=False)
         counted = {"copies": expert_lora_bytes(found["expert_blocks"], True), "inputs": tokens * found["expert_inputs"]}

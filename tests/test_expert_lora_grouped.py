@@ -1,4 +1,4 @@
-"""ftcore's grouped path for LoRA on fused expert parameters (plugins/adapters/_expert_lora.py): on every family
+"""ftcore's grouped path for LoRA on fused expert parameters (plugins/common/expert_lora.py): on every family
 whose experts transformers fuses, it computes what peft's own path computes (output, loss, the gradients of the
 input and of the factors, a few AdamW steps, the merge) without saving a copy of the expert stack for backward;
 where it cannot run, peft's path runs and a debug log says why; a restored adapter and the estimate's meta model
@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from test_moe_adapters import SIZES, adapter, apply, tiny_moe, train_steps  # noqa: E402
 
-from ftcore_plugins.adapters import _expert_lora  # noqa: E402
+from ftcore_plugins.common import expert_lora  # noqa: E402
 
 FUSED = ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "olmoe", "deepseek_v3"]
 IDS = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -43,8 +43,8 @@ def expert_wrappers(model) -> list:
 def peft_path(model):
     """A copy of ``model`` running peft's own path (ftcore's grouped forward switched off)."""
     other = copy.deepcopy(model)
-    _expert_lora.disable(other)
-    assert not any(_expert_lora.runs_grouped(w) for w in expert_wrappers(other))
+    expert_lora.disable(other)
+    assert not any(expert_lora.runs_grouped(w) for w in expert_wrappers(other))
     return other
 
 
@@ -82,7 +82,7 @@ def close(a, b, tol=1e-5) -> float:
 def test_the_grouped_path_computes_what_peft_does_without_a_copy_of_the_experts(model_type):
     model = lora_model(model_type)
     wrappers = expert_wrappers(model)
-    assert wrappers and all(_expert_lora.runs_grouped(w) for w in wrappers)
+    assert wrappers and all(expert_lora.runs_grouped(w) for w in wrappers)
     reference = peft_path(model)
 
     # (1) Output, loss, the input's and every factor's gradient (fp32), and no whole-stack copy saved for backward
@@ -122,7 +122,7 @@ def test_a_rank_the_grouped_matmul_cannot_take_is_padded():
     """torch's grouped_mm wants the rank-r rows 16-byte aligned: r=2 in fp32 runs at 4, zero-padded, and computes
     what peft does."""
     model = lora_model("qwen3_moe", r=2)
-    assert _expert_lora.padded_rank(2, torch.float32) == 4 and _expert_lora.padded_rank(4, torch.bfloat16) == 8
+    assert expert_lora.padded_rank(2, torch.float32) == 4 and expert_lora.padded_rank(4, torch.bfloat16) == 8
     logits, _, grads, copies = step(model)
     peft_logits, _, peft_grads, _ = step(peft_path(model))
     assert copies == []
@@ -138,7 +138,7 @@ def test_where_the_grouped_path_cannot_run_peft_runs_and_a_debug_line_says_why(c
         messages = [r.getMessage() for r in caplog.records if "runs peft's path" in r.getMessage()]
         assert any(why in m for m in messages), messages
 
-    _expert_lora._said.clear()
+    expert_lora._said.clear()
     caplog.set_level(logging.DEBUG, logger="ftcore")
 
     # Two adapters active at once: peft sums their deltas into the weight.
@@ -147,7 +147,7 @@ def test_where_the_grouped_path_cannot_run_peft_runs_and_a_debug_line_says_why(c
     model.add_adapter("second", LoraConfig(r=4, target_modules=["q_proj"], target_parameters=[
         "experts.gate_up_proj", "experts.down_proj"], init_lora_weights=True))  # B = 0: no change to the output
     model.base_model.set_adapter(["default", "second"])
-    assert not any(_expert_lora.runs_grouped(w) for w in expert_wrappers(model))
+    assert not any(expert_lora.runs_grouped(w) for w in expert_wrappers(model))
     logits, _, _, copies = step(model)
     assert copies
     close(logits, alone)
@@ -158,7 +158,7 @@ def test_where_the_grouped_path_cannot_run_peft_runs_and_a_debug_line_says_why(c
     base.set_experts_implementation("batched_mm")
     model, _ = apply(adapter("lora", r=4), base)
     assert model.config._experts_implementation == "batched_mm"
-    assert not any(_expert_lora.runs_grouped(w) for w in expert_wrappers(model))
+    assert not any(expert_lora.runs_grouped(w) for w in expert_wrappers(model))
     fell_back("the experts run transformers' 'batched_mm' implementation")
 
     # Experts that are not transformers' use_experts_implementation kind (JetMoE's): peft's path.
@@ -167,7 +167,7 @@ def test_where_the_grouped_path_cannot_run_peft_runs_and_a_debug_line_says_why(c
     config = AutoConfig.for_model("jetmoe", **{**SIZES, "num_local_experts": 4, "num_experts_per_tok": 2,
                                                "kv_channels": 8, "num_key_value_heads": 4})
     model, _ = apply(adapter("lora", r=4), AutoModelForCausalLM.from_config(config))
-    assert expert_wrappers(model) and _expert_lora.enable(model) == 0
+    assert expert_wrappers(model) and expert_lora.enable(model) == 0
     fell_back("JetMoeParallelExperts is not an experts module of transformers' use_experts_implementation")
 
     # Expert parallel, float8 weights.
@@ -175,14 +175,14 @@ def test_where_the_grouped_path_cannot_run_peft_runs_and_a_debug_line_says_why(c
     wrapper = expert_wrappers(model)[0]
     experts = wrapper.get_base_layer()
     experts._is_expert_parallel = True
-    assert _expert_lora.why_not(wrapper) == "the experts are split across devices (expert parallel)"
+    assert expert_lora.why_not(wrapper) == "the experts are split across devices (expert parallel)"
     experts._is_expert_parallel = False
     name = wrapper.parameter_name
     weight = getattr(experts, name)
     setattr(experts, name, torch.nn.Parameter(weight.detach().to(torch.float8_e4m3fn), requires_grad=False))
-    assert _expert_lora.why_not(wrapper).startswith("its weights are float8_e4m3fn")
+    assert expert_lora.why_not(wrapper).startswith("its weights are float8_e4m3fn")
     setattr(experts, name, weight)
-    assert _expert_lora.why_not(wrapper) is None
+    assert expert_lora.why_not(wrapper) is None
 
 
 def test_a_restored_adapter_and_the_estimates_meta_model_run_it_and_plain_peft_loads_the_adapter(tmp_path):
@@ -198,9 +198,9 @@ def test_a_restored_adapter_and_the_estimates_meta_model_run_it_and_plain_peft_l
     component.save(model, tmp_path / "adapter")
     restored = component.restore(tiny_moe("qwen3_moe"), tmp_path / "adapter", AdapterContext(None, RecordingReporter(),
                                                                                              None)).eval()
-    assert all(_expert_lora.runs_grouped(w) for w in expert_wrappers(restored))
+    assert all(expert_lora.runs_grouped(w) for w in expert_wrappers(restored))
     plain = PeftModel.from_pretrained(tiny_moe("qwen3_moe"), tmp_path / "adapter").eval()  # no ftcore: peft's path
-    assert not any(_expert_lora.runs_grouped(w) for w in expert_wrappers(plain))
+    assert not any(expert_lora.runs_grouped(w) for w in expert_wrappers(plain))
     with torch.no_grad():
         close(restored(input_ids=IDS).logits, live)
         close(plain(input_ids=IDS).logits, live)
@@ -208,4 +208,4 @@ def test_a_restored_adapter_and_the_estimates_meta_model_run_it_and_plain_peft_l
     with torch.device("meta"):
         meta = tiny_moe("qwen3_moe")
     meta = component.apply_meta(meta, AdapterContext(None, RecordingReporter(), None))
-    assert expert_wrappers(meta) and all(_expert_lora.runs_grouped(w) for w in expert_wrappers(meta))
+    assert expert_wrappers(meta) and all(expert_lora.runs_grouped(w) for w in expert_wrappers(meta))

@@ -242,7 +242,7 @@ def test_the_estimate_counts_what_the_expert_lora_saves_for_backward(dtype, path
     checkpointing) and leaves the wrappers' factors out of the per-layer LoRA count."""
     from ftcore.context import AdapterContext
     from ftcore.testing import RecordingReporter
-    from ftcore_plugins.adapters._expert_lora import disable
+    from ftcore_plugins.common.expert_lora import disable
     from ftcore_plugins.common.estimate import _scan, expert_lora_bytes
 
     torch.manual_seed(0)

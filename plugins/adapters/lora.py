@@ -16,8 +16,8 @@ import ftcore
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
 
-from ftcore_plugins.adapters._expert_lora import disable as disable_grouped_experts
-from ftcore_plugins.adapters._expert_lora import enable as enable_grouped_experts
+from ftcore_plugins.common.expert_lora import disable as disable_grouped_experts
+from ftcore_plugins.common.expert_lora import enable as enable_grouped_experts
 from ftcore_plugins.common.model import report_trainable
 from ftcore_plugins.common.seq2seq import peft_task_type
 from ftcore_plugins.common.tokens import expose_head_bias, train_added_tokens
@@ -33,7 +33,7 @@ class PeftAdapter(Component):
     ``save`` writes the adapter folder (``save_pretrained``: adapter weights as safetensors and
     ``adapter_config.json``); ``restore`` loads it onto the base with ``PeftModel.from_pretrained``,
     trainable; ``merge`` folds it into the weights with ``merge_and_unload``. A LoRA on fused expert parameters
-    runs per expert through transformers' grouped matmul once peft has wrapped the model (``_expert_lora``).
+    runs per expert through transformers' grouped matmul once peft has wrapped the model (``common/expert_lora.py``).
     """
 
     peft: ClassVar[bool] = True  # produces a peft adapter folder (the `adapter` exporter checks this)

@@ -475,17 +475,17 @@ def _expert_lora(model: Any, found: dict[str, Any]) -> set[int]:
     entered as (the gradient backward makes of a whole-stack copy, or 0; what the tensor keeps through backward),
     and its matmuls' inputs per token, for the path it runs:
 
-    - ftcore's grouped path (``plugins/adapters/_expert_lora.py``, what the ``lora`` adapter runs on transformers'
+    - ftcore's grouped path (``plugins/common/expert_lora.py``, what the ``lora`` adapter runs on transformers'
       experts): the frozen weight's grouped matmul plus ``s (x A^T) B^T`` per expert. Backward keeps, per routed
       token, the input (for A's gradient) and the rank-r intermediate (for B's); per tensor, B in the experts'
       layout (a copy), and A where it is cast to the weight's dtype or padded to the 16-byte rank the grouped
       matmul needs. No copy of the expert stack, no gradient as large.
-    - peft's own path, where the grouped one cannot run (``_expert_lora.why_not``): the parameter reads as
+    - peft's own path, where the grouped one cannot run (``expert_lora.why_not``): the parameter reads as
       ``W + s B A`` for every expert at once (peft 0.21's ``_LoraFactorsProxy``: one ``baddbmm`` over the whole
       expert stack, its factors cast to the weight's dtype), which the experts' matmuls save for backward with
       their inputs (one row per routed token); backward then makes its gradient, as large again. Kept: the copy
       and the factors' cast copies where their dtype differs."""
-    from ftcore_plugins.adapters._expert_lora import padded_rank, runs_grouped
+    from ftcore_plugins.common.expert_lora import padded_rank, runs_grouped
 
     blocks: dict[int, dict[str, tuple[int, int]]] = {}
     order: dict[int, list[str]] = {}

@@ -55,11 +55,11 @@ def model_config(path: str, revision: str | None = None) -> dict[str, Any] | Non
     """``config.json`` of a local model folder, or of a hub id from the local hub cache alone (never the
     network); None where there is none to read."""
     if Path(path).is_dir():
-        return _read(Path(path) / "config.json")
+        return read_config_file(Path(path) / "config.json")
     return _cached_config(path, revision)
 
 
-def _read(file: Path) -> dict[str, Any] | None:
+def read_config_file(file: Path) -> dict[str, Any] | None:
     try:
         config = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -75,7 +75,7 @@ def _cached_config(repo: str, revision: str | None) -> dict[str, Any] | None:
         found = try_to_load_from_cache(repo, "config.json", revision=revision)
     except Exception:  # noqa: BLE001 - an id the cache cannot hold: nothing known yet
         return None
-    return _read(Path(found)) if isinstance(found, str) else None
+    return read_config_file(Path(found)) if isinstance(found, str) else None
 
 
 def refusal(what: str, family: str, why: str, fix: str = "") -> str:

@@ -3,9 +3,10 @@ nothing loaded): for the exporters that refuse one at validation, and for the co
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from ftcore_plugins.common.seq2seq import read_config_file
 
 # The ``scratch`` loader's VLM architectures (plugins/models/_vlm.py builds them; a test keeps the two equal).
 VLM_ARCHITECTURES = ("qwen2_5_vl", "qwen3_vl", "mllama", "gemma3", "llava", "idefics3")
@@ -28,11 +29,7 @@ def plan_vision_model(plan: Any) -> str | None:
 def read_config(folder: Path) -> dict[str, Any] | None:
     """``config.json`` of ``folder`` as a dict; None when there is none or it does not read (the model
     loader's checks say why)."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return config if isinstance(config, dict) else None
+    return read_config_file(Path(folder) / "config.json")
 
 
 def vision_model_type(config: Any) -> str | None:

@@ -7,6 +7,7 @@ components (``PlanSection.parse(table, problem, select)``), as the trackers' ``t
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -92,3 +93,58 @@ def test_a_table_that_selects_components_reports_them_as_the_core_does(tiny_proj
     assert problems[1].startswith("alerts.mlflow.experimnt: unknown key for tracker 'mlflow'; did you mean "
                                   "'experiment'?")
     assert len(problems) == 2, problems
+
+
+@pytest.mark.parametrize("template, reads", [("native", 1), ("llama3", 2)])
+def test_the_load_takes_the_tokenizer_the_data_check_read(qwen25_tiny_model, tmp_path, monkeypatch, template, reads):
+    """The data check before the load reads the tokenizer, and the load takes that one rather than reading
+    the files again (Llama 3's tokenizer is seconds to read). Not when the template added tokens to it:
+    the load's tokenizer must be fresh, so that its own preparation grows the real model's embeddings."""
+    import transformers
+    from rich.console import Console
+
+    from ftcore.runner import Runner
+
+    from ftcore.testing import chat_rows, write_jsonl
+
+    write_jsonl(tmp_path / "chat.jsonl", chat_rows(16))
+    plan_path = tmp_path / "plan.toml"
+    plan_path.write_text(f"""
+[run]
+name = "once"
+output_dir = "{tmp_path / 'runs'}"
+
+[model]
+use = "hf"
+path = "{qwen25_tiny_model}"
+
+[template]
+use = "{template}"
+
+[data.chat]
+use = "jsonl"
+path = "{tmp_path / 'chat.jsonl'}"
+
+[[stage]]
+trainer = "sft"
+data = "chat"
+max_steps = 1
+max_length = 64
+""")
+    monkeypatch.setenv("FTCORE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append(a) or original(*a, **k))
+    loaded = []
+    load_model = Runner.load_model
+    monkeypatch.setattr(Runner, "load_model", lambda self, work: loaded.append(load_model(self, work)) or loaded[-1])
+    pm = get_plugin_manager()
+    with open(os.devnull, "w") as sink:
+        Runner(load_plan(str(plan_path), pm.registry()), pm, Console(file=sink)).run()
+    assert len(calls) == reads, calls
+    [(model, tokenizer)] = loaded
+    assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
+    if template == "llama3":  # its header tokens were added to the Qwen tokenizer, and the real model grew
+        assert "<|start_header_id|>" in tokenizer.get_vocab()
+        assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)

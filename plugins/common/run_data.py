@@ -18,6 +18,11 @@ from ftcore.runner import calling
 
 log = logging.getLogger("ftcore")
 
+# The tokenizer the data check before the load read, kept for that load, once: run folder -> (the plan's
+# [model] options, tokenizer). Reading a tokenizer is seconds (Llama 3's: its tokenizer.json in Rust and
+# again in Python), and a run read it twice before its first step.
+_LENT: dict[Path, tuple[Any, Any]] = {}
+
 
 def data_tokenizer(runner: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for work on the data alone: the run's tokenizer, with the template's tokens
@@ -75,15 +80,48 @@ def prepare_before_load(run: Any, stages: list[Any], load_data: Any) -> None:
     quantizer, template = plan.quantizer.create(), plan.template.create()
     with calling(plan.model, "load"):
         tokenizer = loader.load_tokenizer(LoadContext(run, run.reporter, quantizer, plan.seed, work, load_data))
+    loaded = _shape(tokenizer)
     prepare = getattr(template, "prepare", None)
     if prepare is not None:
         with calling(plan.template, "prepare"):
             model, tokenizer = prepare(model, tokenizer)
-    silent = Reporter(None, None, None, None)  # the stage reports its data when it trains
+    silent = Silent()  # the stage reports its data when it trains
     for stage in preparing:
         ctx = _stage_context(run, silent, template, load_data, stage, model, tokenizer)
         with calling(stage.trainer, "prepare_data"):
             stage.trainer.create().prepare_data(ctx)
+    # Lent only as it loaded: a template that added tokens grew the meta model, and the load's own
+    # prepare must add them again to grow the real one.
+    _LENT.pop(Path(run.run_dir), None)
+    if _shape(tokenizer) == loaded:
+        _LENT[Path(run.run_dir)] = (plan.model.options, tokenizer)
+
+
+def borrow_tokenizer(ctx: LoadContext, options: Any) -> Any | None:
+    """For a loader's ``load(ctx)``: the tokenizer :func:`prepare_before_load` read for this run from the
+    same ``[model]`` options, handed over once; None: read it from the files."""
+    lent = _LENT.pop(Path(ctx.run.run_dir), None)
+    return lent[1] if lent is not None and lent[0] == options else None
+
+
+def _shape(tokenizer: Any) -> tuple:
+    """What preparing could change in a tokenizer that a second preparation must see again."""
+    return (len(tokenizer), tuple(map(str, getattr(tokenizer, "all_special_tokens", ()))),
+            getattr(tokenizer, "padding_side", None), getattr(tokenizer, "truncation_side", None))
+
+
+class Silent(Reporter):
+    """A reporter that says nothing, not even in ``run.log``: what a stage's data preparation says before the
+    model loads it says again when it trains (a run's log holds each line once)."""
+
+    def __init__(self) -> None:
+        super().__init__(None, None, None, None)
+
+    def info(self, message: str) -> None:
+        pass
+
+    def warn(self, message: str) -> None:
+        pass
 
 
 def prepare_data(runner: Any, only: list[str] | None = None) -> list[tuple[str, str]]:

@@ -164,8 +164,12 @@ class HFModelLoader(Component):
     def load(self, ctx):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
+        from ftcore_plugins.common.run_data import borrow_tokenizer
+
         o = self.options
-        tokenizer = self.load_tokenizer(ctx)
+        tokenizer = borrow_tokenizer(ctx, o)  # the data check before the load read it already
+        if tokenizer is None:
+            tokenizer = self.load_tokenizer(ctx)
         kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
         if o.attn_implementation:
             kwargs["attn_implementation"] = o.attn_implementation

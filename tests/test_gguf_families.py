@@ -255,16 +255,22 @@ def test_converter_is_unpacked_from_a_source_distribution(tmp_path, monkeypatch)
     finds them (by $FTCORE_LLAMA_CPP or the data folder), and reads the architectures it registers."""
     sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:
-        tar.add(TREE, arcname="llama_cpp_python-9.9.9/vendor/llama.cpp")
+        # The tree's own models/ (official templates where the fetch step kept them) is replaced by the one below.
+        tar.add(TREE, arcname="llama_cpp_python-9.9.9/vendor/llama.cpp",
+                filter=lambda member: None if "/vendor/llama.cpp/models" in member.name else member)
         extra = tmp_path / "README.md"
         extra.write_text("not the converter")
         tar.add(extra, arcname="llama_cpp_python-9.9.9/README.md")
         tar.add(extra, arcname="llama_cpp_python-9.9.9/vendor/llama.cpp/docs/build.md")
+        tar.add(extra, arcname="llama_cpp_python-9.9.9/vendor/llama.cpp/models/ggml-vocab-x.gguf")
+        tar.add(extra, arcname="llama_cpp_python-9.9.9/vendor/llama.cpp/models/templates/Org-Model.jinja")
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     assert llama_cpp_converter.main(["--sdist", str(sdist)]) == 0
     tree = tmp_path / "data" / "ftcore" / "llama.cpp" / "9.9.9"
     assert sorted(p.name for p in tree.iterdir()) == sorted(["LICENSE", "conversion", "convert_hf_to_gguf.py",
-                                                             "gguf-py"])
+                                                             "gguf-py", "models"])
+    assert [p.relative_to(tree).as_posix() for p in (tree / "models").rglob("*")] == \
+        ["models/templates", "models/templates/Org-Model.jinja"]  # the official templates, no vocabularies
     assert {"Qwen3ForCausalLM", "Gemma3ForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM"} \
         <= llama_cpp_converter.registered(tree)
     monkeypatch.setenv(llama_cpp_converter.ENV, str(sdist))
@@ -272,6 +278,36 @@ def test_converter_is_unpacked_from_a_source_distribution(tmp_path, monkeypatch)
     monkeypatch.setenv(llama_cpp_converter.ENV, str(tmp_path / "nowhere"))
     assert llama_cpp_converter.find_converter() is None
     assert os.environ[llama_cpp_converter.ENV]
+
+
+def test_the_fetch_step_keeps_llama_cpps_chat_templates_and_a_second_run_adds_them(tmp_path, monkeypatch, capsys):
+    """llama.cpp's official chat templates (models/templates/, which ftcore's tests render) are kept beside the
+    converter and found by name; a converter fetched before they were kept gets them when the step runs again."""
+    def sdist(name: str, files: dict[str, str]):
+        path = tmp_path / name / "llama_cpp_python-9.9.8.tar.gz"
+        path.parent.mkdir()
+        with tarfile.open(path, "w:gz") as tar:
+            for member, text in files.items():
+                info = tarfile.TarInfo(f"llama_cpp_python-9.9.8/vendor/llama.cpp/{member}")
+                info.size = len(text.encode())
+                tar.addfile(info, io.BytesIO(text.encode()))
+        return path
+
+    converter = {"convert_hf_to_gguf.py": "# the converter\n", "LICENSE": "MIT\n"}
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    tree = tmp_path / "data" / "ftcore" / "llama.cpp" / "9.9.8"
+    assert llama_cpp_converter.main(["--sdist", str(sdist("old", converter))]) == 0
+    assert llama_cpp_converter.official_template("Org-Model", tree) is None  # an older fetch: no templates
+    assert llama_cpp_converter.main(["--sdist", str(sdist("new", {
+        **converter, "models/templates/Org-Model.jinja": "{{ messages }}", "models/templates/Org-Other.jinja": "",
+        "models/templates/README.md": "MIT\n",
+        "models/ggml-vocab-x.gguf": "vocabulary"}))]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        f"llama.cpp's converter is in {tree} (0 architectures, 2 chat templates)"
+    assert llama_cpp_converter.official_template("Org-Model", tree) == tree / "models" / "templates" / "Org-Model.jinja"
+    assert (tree / "models" / "templates" / "Org-Model.jinja").read_text() == "{{ messages }}"
+    assert sorted(p.name for p in (tree / "models").iterdir()) == ["templates"]
+    assert llama_cpp_converter.official_template("Absent-Model", tree) is None
 
 
 @needs_converter

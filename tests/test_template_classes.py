@@ -3,12 +3,15 @@ section 2), each as a template written here that behaves like the family:
 
 * a tool-call turn with empty content, where the generation prompt opens more than the history
   renders (Qwen3's no-think mode writes an empty think block in the prompt, not before a call);
-* the next assistant header rendered after every conversation, asked for or not (Cohere's
-  Command R7B), with tool results the template escapes;
 * an answer that goes on in the assistant block of the tool result before it (Swiss AI's Apertus);
 * nothing rendered after the conversation's last turn (GLM), so the end-of-turn token is added;
 * reasoning the template does not render (refused, or counted with ``dropped_reasoning = "warn"``);
 * ``mistral-v3`` rows with tool results, whose ``tool_call_id`` the data layer must keep.
+
+And one family as the model ships it: Cohere's Command R7B, its official template (llama.cpp's copy,
+which ``python -m ftcore_plugins.exporters.llama_cpp_converter`` keeps; skipped without it) with a real
+tokenizer from ../shared/fixtures. It renders the next assistant header after every conversation, asked
+for or not, and with thinking off (its default) that header opens more than a past turn does (issue 45).
 
 For each, the trained characters are compared with a description of the format written by hand
 (what the model generates for each turn, literally), and a tiny model trains on such rows.
@@ -17,10 +20,13 @@ For each, the trained characters are compared with a description of the format w
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from ftcore.errors import FtcoreError
+from ftcore_plugins.exporters.llama_cpp_converter import FETCH, official_template
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -58,26 +64,6 @@ NO_THINK = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
 
-# Command R7B, reduced: every rendering ends with the chatbot header; tool results are escaped (tojson
-# with ensure_ascii), so only assistant turns can be marked.
-ALWAYS_HEADER = (
-    "{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>You are Command.' }}"
-    "{%- if tools %}{{- ' Tools: ' + (tools | map(attribute='function.name') | join(', ')) }}{%- endif %}"
-    "{{- '<|END_OF_TURN_TOKEN|>' }}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'user' %}{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}"
-    "{%- elif m.role == 'system' %}{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + m.content + "
-    "'<|END_OF_TURN_TOKEN|>' }}"
-    "{%- elif m.role == 'assistant' %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}"
-    "{%- if m.tool_calls %}{{- '<|START_ACTION|>[' }}{%- for c in m.tool_calls %}{{- '{\"tool_name\": \"' + "
-    "c.function.name + '\", \"parameters\": ' + (c.function.arguments | tojson) + '}' }}{%- endfor %}"
-    "{{- ']<|END_ACTION|>' }}"
-    "{%- else %}{{- '<|START_RESPONSE|>' + m.content + '<|END_RESPONSE|>' }}{%- endif %}"
-    "{{- '<|END_OF_TURN_TOKEN|>' }}"
-    "{%- else %}{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>' + (m.content | tojson(true)) + "
-    "'<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>' }}{%- endif %}"
-    "{%- endfor %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}")
-
 # Apertus, reduced: the call, the tool's output and the answer are one assistant block; the generation
 # prompt always opens a new block.
 ONE_BLOCK = (
@@ -113,16 +99,6 @@ CLASSES = {
     "no-think": (NO_THINK, {"stop_tokens": ["<|im_end|>"], "special_tokens": ["<|im_start|>"]}, {
         "single": ["Hello!<|im_end|>"],
         "weather": ['<tool_call>get_weather {"city": "Paris"}</tool_call><|im_end|>', "It is 21C in Paris.<|im_end|>"],
-    }),
-    "always-header": (ALWAYS_HEADER, {"stop_tokens": ["<|END_OF_TURN_TOKEN|>"], "special_tokens": [
-        "<|START_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|START_ACTION|>",
-        "<|END_ACTION|>", "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]}, {
-        "single": ["<|START_RESPONSE|>Hello!<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
-        "multi": ["<|START_RESPONSE|>First.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>",
-                  "<|START_RESPONSE|>Second.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
-        "weather": ['<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>'
-                    "<|END_OF_TURN_TOKEN|>",
-                    "<|START_RESPONSE|>It is 21C in Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"],
     }),
     "one-block": (ONE_BLOCK, {"special_tokens": [
         "<|system_start|>", "<|system_end|>", "<|user_start|>", "<|user_end|>", "<|assistant_start|>",
@@ -173,17 +149,6 @@ def test_the_empty_tool_call_turn_no_longer_runs_on_to_the_answers_header(tmp_pa
     call = text.index("<tool_call>")
     assert text[call - len("<|im_start|>assistant\n"):call] == "<|im_start|>assistant\n"  # the call's own header
     assert parts[0].startswith("<tool_call>") and "It is" not in parts[0]
-
-
-def test_a_template_that_always_renders_the_next_header_trains_only_the_answers(tmp_path):
-    template = jinja(tmp_path, ALWAYS_HEADER, stop_tokens=["<|END_OF_TURN_TOKEN|>"])
-    text, parts = trained(template, SINGLE)
-    assert text.endswith("<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")  # the next header, untrained
-    assert "".join(parts) == text[text.index("<|START_RESPONSE|>"):-len("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>")]
-    # Without a declared end of turn, the tokens the template closes turns with are found (first ones).
-    text, parts = trained(jinja(tmp_path, ALWAYS_HEADER), WEATHER, TOOLS)
-    assert parts == ['<|START_ACTION|>[{"tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>',
-                     "<|START_RESPONSE|>It is 21C in Paris.<|END_RESPONSE|>"]
 
 
 def test_unclosed_last_turns_get_the_closing_token_and_the_data_report_counts_them(tmp_path, monkeypatch):
@@ -286,12 +251,167 @@ def _tokenizer(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     markers = sorted({t for _, options, _ in CLASSES.values() for t in options.get("special_tokens", [])} |
-                     {"<|im_end|>", "<|END_OF_TURN_TOKEN|>", "<|endoftext|>"})
+                     {"<|im_end|>", "<|endoftext|>"})
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(["Hello there, how are you? It is 21C in Paris. First. Second."], trainers.BpeTrainer(
         vocab_size=400, special_tokens=markers, show_progress=False))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+# -- Command R7B, as it ships -----------------------------------------------------------------------
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+R7B = official_template("CohereForAI-c4ai-command-r7b-12-2024-tool_use")
+needs_r7b = pytest.mark.skipif(
+    R7B is None or not (SHARED / "tokenizers").is_dir(),
+    reason=f"Command R7B's official chat template (llama.cpp's models/templates/, kept by `{FETCH}`; run it "
+           "again where it was run before the templates were kept) or ../shared/fixtures is absent")
+R7B_TOKENS = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|USER_TOKEN|>",
+              "<|CHATBOT_TOKEN|>", "<|START_THINKING|>", "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>",
+              "<|START_RESPONSE|>", "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"]
+THINKING = {"off": {}, "on": {"enable_thinking": True}}  # off: the template's default
+CALL_ROME = {"id": "def456UVW", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}
+R7B_CONVERSATIONS = {
+    "single": (SINGLE, None),
+    "system": ([{"role": "system", "content": "Be brief."}, u("Hi there"), a("Hello.")], None),
+    "multi": (MULTI, None),
+    "weather": (WEATHER, TOOLS),
+    "weather, no schemas": (WEATHER, None),
+    "parallel calls": ([u("Paris and Rome?"), a("", tool_calls=[CALL, CALL_ROME]), tool("21C"),
+                        {**tool("25C"), "tool_call_id": "def456UVW"}, a("21C and 25C.")], TOOLS),
+    "two rounds": ([*WEATHER, u("And Rome?"), a("", tool_calls=[CALL_ROME]),
+                    {**tool("25C"), "tool_call_id": "def456UVW"}, a("25C.")], TOOLS),
+    "reasoning inline": ([u("One?"), a("<think>\nthink one\n</think>\n\nFirst.")], None),
+    "ends with user": ([*MULTI[:2], u("Two?")], None),
+}
+ANSWER = "<|START_RESPONSE|>Hello!<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"
+CALL_PART = ('<|START_ACTION|>[\n    {"tool_call_id": "0", "tool_name": "get_weather", '
+             '"parameters": {"city": "Paris"}}\n]<|END_ACTION|><|END_OF_TURN_TOKEN|>')
+
+
+def r7b_parts(text: str, thinking: bool) -> list[str]:
+    """Command R7B's assistant parts by its format, written from its template: what follows each chatbot
+    header (with thinking off, the empty thinking block the generation prompt ends with too, as a past tool
+    call renders it), through <|END_OF_TURN_TOKEN|>. The header every rendering ends with opens nothing."""
+    empty_thinking = "" if thinking else "(?:" + re.escape("<|START_THINKING|><|END_THINKING|>") + ")?"
+    opening = re.compile(re.escape("<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>") + empty_thinking)
+    parts, pos = [], 0
+    while (found := opening.search(text, pos)) is not None and found.end() < len(text):
+        end = text.index("<|END_OF_TURN_TOKEN|>", found.end()) + len("<|END_OF_TURN_TOKEN|>")
+        parts.append(text[found.end():end])
+        pos = end
+    return parts
+
+
+@pytest.fixture(scope="module")
+def llama3():
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "llama3")
+
+
+def r7b(kind: str, thinking: str, tokenizer):
+    """(template, tokenizer) as a plan makes them: [template] use = "jinja" with the file, or "native" with
+    the file as the tokenizer's own chat template; chat_template_kwargs for thinking on."""
+    import copy
+
+    from ftcore_plugins.templates.jinja import JinjaFileTemplate
+    from ftcore_plugins.templates.native import NativeTemplate
+
+    if kind == "jinja":
+        return JinjaFileTemplate(JinjaFileTemplate.Options(path=str(R7B), chat_template_kwargs=THINKING[thinking])), \
+            tokenizer
+    own = copy.copy(tokenizer)
+    own.chat_template = R7B.read_text(encoding="utf-8")
+    return NativeTemplate(NativeTemplate.Options(chat_template_kwargs=THINKING[thinking])), own
+
+
+@needs_r7b
+@pytest.mark.parametrize("thinking", list(THINKING))
+@pytest.mark.parametrize("kind", ["jinja", "native"])
+def test_command_r7b_trains_exactly_its_assistant_parts(kind, thinking, llama3):
+    """Before: with thinking off every row was refused ("its header, the template's generation prompt '', is not
+    in the rendered conversation"): the rendering ends with <|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>,
+    asked for or not, and a past answer opens with <|CHATBOT_TOKEN|><|START_RESPONSE|>."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template, tokenizer = r7b(kind, thinking, llama3)
+    source = R7B.read_text(encoding="utf-8")
+    for name, (messages, tools) in R7B_CONVERSATIONS.items():
+        text, parts = trained(template, messages, tools, tokenizer)
+        official = render_jinja_template([messages], tools=tools, chat_template=source,
+                                         **tokenizer.special_tokens_map, **THINKING[thinking])[0][0]
+        assert text == official, name
+        assert text.endswith("<|CHATBOT_TOKEN|>" if thinking == "on" else
+                             "<|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>"), name  # never trained
+        assert parts == r7b_parts(text, thinking == "on"), (name, parts)
+        assert len(parts) == sum(m["role"] == "assistant" for m in messages), name
+    # Literally: an answer, and a tool call, which with thinking on opens with its (empty) thinking block.
+    assert trained(template, SINGLE, None, tokenizer)[1] == [ANSWER]
+    call = CALL_PART if thinking == "off" else "<|START_THINKING|><|END_THINKING|>" + CALL_PART
+    assert trained(template, WEATHER, TOOLS, tokenizer)[1] == [
+        call, "<|START_RESPONSE|>It is 21C in Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"]
+
+
+@needs_r7b
+@pytest.mark.parametrize("thinking", list(THINKING))
+def test_command_r7b_labels_are_the_assistant_tokens(thinking):
+    """Through encode, on the tokenizer with Command R7B's markers as its special tokens (as the real one has
+    them): each run of labelled tokens is one assistant part, to the token."""
+    import datasets
+    import transformers
+
+    from ftcore_plugins.common.chat import encode, render_with_spans
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "llama3")
+    tokenizer.add_special_tokens({"additional_special_tokens": R7B_TOKENS})
+    template, _ = r7b("jinja", thinking, tokenizer)
+    rows = [{"messages": m, "tools": json.dumps(t) if t else None} for m, t in R7B_CONVERSATIONS.values()]
+    cols, stats = encode(datasets.Dataset.from_list(rows), tokenizer, template, max_length=None)
+    assert stats.kept == len(rows)
+    for (messages, tools), ids, labels in zip(R7B_CONVERSATIONS.values(), cols["input_ids"], cols["labels"]):
+        runs, run = [], []
+        for token, label in zip(ids, labels):
+            if label != -100:
+                assert label == token
+                run.append(token)
+            elif run:
+                runs.append(run)
+                run = []
+        runs += [run] if run else []
+        text, spans = render_with_spans(template, messages, tokenizer, tools)
+        assert [tokenizer.decode(r) for r in runs] == [text[i:j] for i, j in spans] == r7b_parts(text, thinking == "on")
+
+
+@needs_r7b
+@pytest.mark.parametrize("kind", ["jinja", "native"])
+def test_command_r7b_refuses_in_one_line_what_it_cannot_train_and_names_what_works(kind, llama3):
+    """A tool call's reasoning (the one reasoning Command R7B renders) needs thinking on: with thinking off the
+    generation prompt closes the reasoning empty. An answer's reasoning it never renders."""
+    import datasets
+
+    from ftcore_plugins.common.chat import encode
+
+    reasoned = [u("Weather in Paris?"), a("", tool_calls=[CALL], reasoning_content="I will look it up."),
+                tool("21C"), a("It is 21C in Paris.")]
+    rows = datasets.Dataset.from_list([{"messages": reasoned, "tools": json.dumps(TOOLS)}])
+    template, tokenizer = r7b(kind, "off", llama3)
+    with pytest.raises(FtcoreError) as refused:
+        encode(rows, tokenizer, template, max_length=None, where="data.chat (tools.jsonl)")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("data.chat (tools.jsonl), row 1: "), message
+    assert ("assistant turn 1 (message 1) has reasoning_content, but with thinking off the template's generation "
+            "prompt ends '<|END_THINKING|>', closing the reasoning before the model writes any; turn thinking on "
+            "with [template] chat_template_kwargs = { enable_thinking = true }") in message, message
+    template, tokenizer = r7b(kind, "on", llama3)
+    assert trained(template, reasoned, TOOLS, tokenizer)[1] == [
+        "<|START_THINKING|>I will look it up.<|END_THINKING|>" + CALL_PART,
+        "<|START_RESPONSE|>It is 21C in Paris.<|END_RESPONSE|><|END_OF_TURN_TOKEN|>"]
+    for thinking in THINKING:
+        template, tokenizer = r7b(kind, thinking, llama3)
+        with pytest.raises(FtcoreError, match=r"has reasoning_content, but the template does not render it.*"
+                                              r"dropped_reasoning = \"warn\""):
+            trained(template, [u("Hi"), a("Hello.", reasoning_content="Greet back.")], None, tokenizer)
 
 
 # -- they train -----------------------------------------------------------------------------------
@@ -315,6 +435,30 @@ def test_each_kind_trains(name, tmp_path):
     model, tokenizer = template.prepare(base.model, base.tokenizer)
     ctx = stage_context(TinyModel(model, tokenizer, template), tmp_path, rows)
     SFT(SFT.Options(max_steps=10, batch_size=8, max_length=256, learning_rate=3e-3, logging_steps=1)).train(ctx)
+    losses = ctx.reporter.losses("sft")
+    assert len(losses) == 10 and losses[10] < 0.8 * losses[1], losses
+
+
+@pytest.mark.slow
+@needs_r7b
+@pytest.mark.parametrize("thinking", list(THINKING))
+def test_command_r7b_trains(thinking, tmp_path):
+    """Chats and tool calls under Command R7B's own template, thinking off and on: the loss falls. Its system
+    preamble is long (2,700 characters, 6,600 with tools), so the tiny tokenizer learns its words too."""
+    from ftcore.testing import TinyModel, chat_rows, stage_context, text_rows, tiny_model
+    from ftcore_plugins.templates.jinja import JinjaFileTemplate
+    from ftcore_plugins.trainers.base import SFT
+
+    template = JinjaFileTemplate(JinjaFileTemplate.Options(path=str(R7B), special_tokens=R7B_TOKENS,
+                                                           chat_template_kwargs=THINKING[thinking]))
+    chats = [{"messages": m["messages"]} for m in chat_rows(24)]
+    words = [{"text": template.render(WEATHER, None, tools=TOOLS)}, *text_rows(64),
+             *({"text": " ".join(m["content"] for m in row["messages"])} for row in chats)]
+    base = tiny_model(tmp_path / "model", rows=words, vocab_size=1024, max_position_embeddings=2048)
+    model, tokenizer = template.prepare(base.model, base.tokenizer)
+    ctx = stage_context(TinyModel(model, tokenizer, template), tmp_path,
+                        chats + [{"messages": WEATHER, "tools": json.dumps(TOOLS)}] * 8)
+    SFT(SFT.Options(max_steps=10, batch_size=8, max_length=2048, learning_rate=3e-3, logging_steps=1)).train(ctx)
     losses = ctx.reporter.losses("sft")
     assert len(losses) == 10 and losses[10] < 0.8 * losses[1], losses
 

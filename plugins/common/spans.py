@@ -18,8 +18,11 @@ the one rendering of the whole conversation, never by rendering prefixes of it:
    prefix ending at a token or a line;
    A turn with no content to mark (a tool call alone) is looked for before the next message's
    content only. When the generation prompt adds nothing (Command R7B renders the next header
-   after every conversation) or an answer goes on in the block of the tool result before it
-   (Apertus), the turn starts where the conversation rendered up to the previous message ends;
+   after every conversation), that header is matched by its longest prefix ending at a token
+   (with thinking off it opens an empty thinking block a past answer lacks); a turn's reasoning
+   it would cut is refused, naming ``enable_thinking``. When that fails, or an answer goes on in
+   the block of the tool result before it (Apertus), the turn starts where the conversation
+   rendered up to the previous message ends;
 4. a turn ends with its end-of-turn token: the first of the template's end-of-turn tokens
    after the turn's content (and tool calls), with any end-of-turn tokens right after it: its
    declared ``stop_tokens``, the tokenizer's EOS, and those three probe renderings show (so
@@ -185,6 +188,25 @@ class SpanLocator:
             if header and text.startswith(header, anchor) and anchor + len(header) <= limit:
                 self._headers[(role, bool(tools))] = header
                 return anchor + len(header)
+            if header and self.always_header():
+                # The header every rendering ends with opens more than the history does (Command R7B ends
+                # with <|CHATBOT_TOKEN|><|START_THINKING|><|END_THINKING|>, a past answer opens with
+                # <|CHATBOT_TOKEN|><|START_RESPONSE|>): its longest prefix there, ending at a token.
+                for candidate in self._prefixes(header):
+                    if text.startswith(candidate, anchor) and anchor + len(candidate) <= limit:
+                        start = anchor + len(candidate)
+                        reasoning = messages[i].get("reasoning_content")
+                        if isinstance(reasoning, str) and reasoning.strip() \
+                                and text[start:limit].lstrip().startswith(reasoning.strip()):
+                            # The prompt closes the reasoning empty (thinking off): the model would be trained
+                            # to reason where it is never asked to, without the token that opens reasoning.
+                            raise SpanError(
+                                f"assistant turn {i} (message {i}) has reasoning_content, but with thinking off the "
+                                f"template's generation prompt ends {header[len(candidate):]!r}, closing the "
+                                "reasoning before the model writes any; turn thinking on with [template] "
+                                "chat_template_kwargs = { enable_thinking = true } (Command R7B's variable), or "
+                                "remove the reasoning")
+                        return start
         # The previous message renders differently when it is the last one (a template that closes
         # the last tool result differently), or there is no marker before this turn: the text the
         # generation prompt adds, searched from the end of the previous turn. A history that renders
@@ -317,7 +339,8 @@ class SpanLocator:
         """End-of-turn tokens as the template renders them: the markup closing an assistant turn
         that ends the conversation (its last token), one followed by a user turn (its first), and
         a tool call that ends the conversation (its last token). A template that renders the next
-        header after every conversation puts that header last: then the first token counts."""
+        header after every conversation puts that header last: then the first token counts, through
+        the token that closes a user turn when it follows."""
         always = self.always_header()
         u, a, u2 = (chr(LAST_MARK - k) for k in range(3))
         call = {"type": "function", "function": {"name": "ftcore_probe", "arguments": {"q": a}}}
@@ -340,11 +363,18 @@ class SpanLocator:
             if rendered is None or a not in rendered:
                 continue
             tail = rendered.split(a, 1)[-1].split(u2, 1)[0]
-            tokens = list(self.token.finditer(tail))
+            tokens = [m.group() for m in self.token.finditer(tail)]
             if tokens:
-                found.append((tokens[-1] if last and not always else tokens[0]).group())
+                found.append(tokens[-1] if last and not always else tokens[0])
+                if always:
+                    # The next header follows the closing, so the closing's last token is not the tail's: it
+                    # runs on to the token that closes a user turn too (Command R7B's <|END_RESPONSE|> then
+                    # <|END_OF_TURN_TOKEN|>), which the model must learn to generate before it stops.
+                    user_closing = next(self.token.finditer(rendered.split(u, 1)[-1].split(a, 1)[0]), None)
+                    if user_closing is not None and user_closing.group() in tokens:
+                        found += tokens[1:tokens.index(user_closing.group()) + 1]
                 if not last:
-                    self._closing[with_tools] = tokens[0].group()
+                    self._closing[with_tools] = tokens[0]
         return list(dict.fromkeys(found))
 
 

@@ -13,8 +13,10 @@ in its wheel. ftcore does not copy it; it runs it, as a separate Python process,
 
    puts it: pip downloads the source distribution of the installed llama-cpp-python version (the
    converter then writes what that llama.cpp reads), and only the converter's files are kept
-   (``convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``, ``LICENSE``, about 3 MB). This is the
-   one step that needs the network; ``--sdist FILE`` takes a source distribution you already have;
+   (``convert_hf_to_gguf.py``, ``conversion/``, ``gguf-py/``, ``LICENSE``, about 3 MB), with llama.cpp's
+   copies of official chat templates (``models/templates/``, 0.5 MB, which ftcore's tests render:
+   :func:`official_template`). This is the one step that needs the network; ``--sdist FILE`` takes a
+   source distribution you already have, and a second run replaces what the first one kept;
 3. a source tree beside the installed ``llama_cpp`` package (an editable or source install).
 
 Exports never download anything. The converter needs ``torch``, ``transformers``, ``numpy`` (all
@@ -38,8 +40,10 @@ from pathlib import Path
 SCRIPT = "convert_hf_to_gguf.py"
 ENV = "FTCORE_LLAMA_CPP"
 FETCH = "python -m ftcore_plugins.exporters.llama_cpp_converter"
-# What the converter needs of a llama.cpp tree: the script, its package (newer trees), gguf-py, the licence.
-KEEP = (SCRIPT, "conversion/", "gguf-py/", "LICENSE")
+TEMPLATES = "models/templates"
+# What the converter needs of a llama.cpp tree: the script, its package (newer trees), gguf-py, the licence;
+# and the models' official chat templates, exactly as they ship (MIT, like the rest), for template tests.
+KEEP = (SCRIPT, "conversion/", "gguf-py/", "LICENSE", TEMPLATES + "/")
 
 
 def llama_cpp_version() -> str | None:
@@ -84,6 +88,16 @@ def find_converter(path: str | Path | None = None) -> Path | None:
     return None
 
 
+def official_template(name: str, tree: Path | None = None) -> Path | None:
+    """llama.cpp's copy of a model's official chat template, ``<tree>/models/templates/<name>.jinja`` (``name``
+    as llama.cpp names the file: ``CohereForAI-c4ai-command-r7b-12-2024-tool_use``), in ``tree`` or the converter
+    :func:`find_converter` finds; None when it is not there (a converter fetched before the templates were
+    kept has none: run the fetch step again)."""
+    tree = tree or find_converter()
+    path = tree / TEMPLATES / f"{name}.jinja" if tree is not None else None
+    return path if path is not None and path.is_file() else None
+
+
 def _tree(path: Path) -> Path | None:
     if path.is_file() and path.name.endswith((".tar.gz", ".tgz")):
         target = data_dir() / _sdist_version(path)
@@ -102,7 +116,7 @@ def _sdist_version(path: Path) -> str:
 
 
 def unpack(sdist: Path, target: Path) -> Path:
-    """Only the converter's files of a llama-cpp-python sdist (or a llama.cpp source archive) into ``target``."""
+    """The files KEEP names of a llama-cpp-python sdist (or a llama.cpp source archive), into ``target`` (replaced)."""
     tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=_mkdir(target.parent)))
     try:
         with tarfile.open(sdist) as tar:
@@ -275,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         print(tree if tree else f"not found; run: {FETCH}")
         return 0 if tree else 1
     tree = fetch(args.version, args.sdist)
-    print(f"llama.cpp's converter is in {tree} ({len(registered(tree))} architectures)")
+    templates = len(list((tree / TEMPLATES).glob("*.jinja")))
+    print(f"llama.cpp's converter is in {tree} ({len(registered(tree))} architectures, {templates} chat templates)")
     return 0
 
 

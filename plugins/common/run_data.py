@@ -18,9 +18,9 @@ from ftcore.runner import calling
 
 log = logging.getLogger("ftcore")
 
-# The tokenizer the data check before the load read, kept for that load, once: run folder -> (the plan's
-# [model] options, tokenizer). Reading a tokenizer is seconds (Llama 3's: its tokenizer.json in Rust and
-# again in Python), and a run read it twice before its first step.
+# A run's tokenizer, read once and handed on (the pre-flight's to the data check, the data check's to the
+# load): run folder -> (the plan's [model] options, tokenizer). Reading one is seconds (Llama 3's: its
+# tokenizer.json in Rust and again in Python), and a run read it three times before its first step.
 _LENT: dict[Path, tuple[Any, Any]] = {}
 
 
@@ -92,15 +92,21 @@ def prepare_before_load(run: Any, stages: list[Any], load_data: Any) -> None:
             stage.trainer.create().prepare_data(ctx)
     # Lent only as it loaded: a template that added tokens grew the meta model, and the load's own
     # prepare must add them again to grow the real one.
-    _LENT.pop(Path(run.run_dir), None)
     if _shape(tokenizer) == loaded:
-        _LENT[Path(run.run_dir)] = (plan.model.options, tokenizer)
+        lend_tokenizer(run.run_dir, plan.model.options, tokenizer)
 
 
-def borrow_tokenizer(ctx: LoadContext, options: Any) -> Any | None:
-    """For a loader's ``load(ctx)``: the tokenizer :func:`prepare_before_load` read for this run from the
-    same ``[model]`` options, handed over once; None: read it from the files."""
-    lent = _LENT.pop(Path(ctx.run.run_dir), None)
+def lend_tokenizer(run_dir: Path, options: Any, tokenizer: Any) -> None:
+    """Keep ``tokenizer``, read for the run in ``run_dir`` from the ``[model]`` ``options``, for the next
+    :func:`borrow_tokenizer` of that run: the model loader's pre-flight lends the one it read, and
+    :func:`prepare_before_load` the one it prepared the data with, where preparing left it as it loaded."""
+    _LENT[Path(run_dir)] = (options, tokenizer)
+
+
+def borrow_tokenizer(run_dir: Path, options: Any) -> Any | None:
+    """For a loader's ``load_tokenizer``: the tokenizer lent for the run in ``run_dir`` from the same
+    ``[model]`` options, handed over once; None: read it from the files."""
+    lent = _LENT.pop(Path(run_dir), None)
     return lent[1] if lent is not None and lent[0] == options else None
 
 

@@ -198,9 +198,9 @@ def tokenizer_folder_problem(folder: Path, explicit: bool) -> str | None:
     return f"{where} (no {', '.join(TOKENIZER_FILES[:4])}, ...){fix}"
 
 
-def tokenizer_files_problem(folder: Path) -> str | None:
-    """A tokenizer folder's files that cannot be read: ``tokenizer.json`` as the tokenizers library reads
-    it (a truncated or damaged one), ``tokenizer_config.json`` as JSON."""
+def tokenizer_files_problem(folder: Path, parse: bool = True) -> str | None:
+    """A tokenizer folder's files that cannot be read: ``tokenizer_config.json`` as JSON, and (``parse``)
+    ``tokenizer.json`` as the tokenizers library reads it (a truncated or damaged one)."""
     config = folder / "tokenizer_config.json"
     if config.is_file():
         try:
@@ -208,7 +208,7 @@ def tokenizer_files_problem(folder: Path) -> str | None:
         except (ValueError, UnicodeDecodeError) as exc:
             return f"{config} is not valid JSON: {exc}"
     file = folder / "tokenizer.json"
-    if file.is_file():
+    if parse and file.is_file():
         from tokenizers import Tokenizer
 
         try:

@@ -71,13 +71,26 @@ class HFModelLoader(Component):
         else:
             problems += self._hub_problems("path", o.path, plan)
         key, where = ("tokenizer", o.tokenizer) if o.tokenizer else ("path", o.path)
-        if Path(where).is_absolute() and Path(where).exists():
+        if Path(where).is_absolute() and Path(where).exists() and not (key == "path" and problems):
             problem = _checks.tokenizer_folder_problem(Path(where), explicit=key == "tokenizer") \
-                or _checks.tokenizer_files_problem(Path(where))
-            problems += [f"{key}: {problem}"] if problem and not (key == "path" and problems) else []
+                or _checks.tokenizer_files_problem(Path(where), parse=False) or self._read_tokenizer(plan, Path(where))
+            problems += [f"{key}: {problem}"] if problem else []
         elif o.tokenizer and o.tokenizer != o.path:
             problems += self._hub_problems("tokenizer", o.tokenizer, plan)
         return problems
+
+    def _read_tokenizer(self, plan, folder: Path) -> str | None:
+        """Whether the tokenizer reads, by reading it as the run will; the run then takes this one (reading
+        Llama 3's is seconds) instead of reading the files again."""
+        from ftcore_plugins.common.run_data import lend_tokenizer
+
+        try:
+            tokenizer = self.load_tokenizer(None)
+        except FtcoreError as exc:
+            file = folder / "tokenizer.json"
+            return f"{file if file.is_file() else folder} cannot be read: {_checks.one_line(exc.__cause__ or exc)}"
+        lend_tokenizer(plan.run_dir, self.options, tokenizer)
+        return None
 
     def _config_against_weights(self, folder: Path, config: dict) -> str | None:
         """Whether transformers builds the model ``config.json`` describes (on the meta device), and its
@@ -164,12 +177,8 @@ class HFModelLoader(Component):
     def load(self, ctx):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM
 
-        from ftcore_plugins.common.run_data import borrow_tokenizer
-
         o = self.options
-        tokenizer = borrow_tokenizer(ctx, o)  # the data check before the load read it already
-        if tokenizer is None:
-            tokenizer = self.load_tokenizer(ctx)
+        tokenizer = self.load_tokenizer(ctx)
         kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
         if o.attn_implementation:
             kwargs["attn_implementation"] = o.attn_implementation
@@ -209,10 +218,17 @@ class HFModelLoader(Component):
         return stored if stored in ("bfloat16", "float16") else None
 
     def load_tokenizer(self, ctx):
-        """The tokenizer alone (``ftcore prepare`` reads no weights)."""
+        """The tokenizer alone (``ftcore prepare`` reads no weights); in a run, the one read before (by the
+        pre-flight or the data check) where it was lent on."""
         from transformers import AutoTokenizer
 
+        from ftcore_plugins.common.run_data import borrow_tokenizer
+
         o = self.options
+        run = getattr(ctx, "run", None)
+        lent = borrow_tokenizer(run.run_dir, o) if run is not None else None
+        if lent is not None:
+            return lent
         processor = None
         if self.vision():  # a VLM: its processor (image processor and tokenizer) from the folder
             from transformers import AutoProcessor

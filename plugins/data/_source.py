@@ -36,6 +36,7 @@ from ftcore.errors import FtcoreError, did_you_mean
 
 from ftcore_plugins.common import formats as F
 from ftcore_plugins.common.prepare import ARROW_BATCH_ROWS, ARROW_PAGES
+from ftcore_plugins.data._overlap import check_overlap, plan_problems
 from ftcore_plugins.data._quality import QualityOptions, clean_and_split
 
 log = logging.getLogger("ftcore")
@@ -252,6 +253,9 @@ class RowSource(Component):
     def splits(self) -> list[str]:
         return ["train", "validation"] if getattr(self.options, "validation", None) else ["train"]
 
+    def check(self, plan: Any) -> list[str]:
+        return plan_problems(self.options, plan)
+
     def load(self, ctx: Any) -> Any:
         """The rows as a Dataset; with ``validation`` set, ``{"train": ..., "validation": ...}``."""
         with _quiet_datasets():
@@ -260,11 +264,12 @@ class RowSource(Component):
             ARROW_PAGES.release()
             return data
         parts = clean_and_split(data, self.options, self.stats, f"data.{ctx.name}", warn=ctx.reporter.warn)
-        ARROW_PAGES.release()  # what the reading, filter and split passes touched
         dropped = {k[len("dropped_"):]: v for k, v in self.stats.items() if k.startswith("dropped_") and v}
         if dropped:
             ctx.reporter.info(f"data [bold]{ctx.name}[/]: dropped " + ", ".join(
                 f"{v:,} {k.replace('_', ' ')}" for k, v in dropped.items()) + f"; {self.stats['rows_kept']:,} left")
+        parts = check_overlap(parts, self.options, ctx, self.stats)  # evaluation data against the training data
+        ARROW_PAGES.release()  # what the reading, filter, split and overlap passes touched
         if "validation" in parts:
             ctx.reporter.info(f"data [bold]{ctx.name}[/]: {len(parts['train']):,} train, "
                               f"{len(parts['validation']):,} validation rows ({self.options.split_strategy} split)")
@@ -469,7 +474,8 @@ class FileSource(RowSource):
         return list(self.options.path)
 
     def check(self, plan: Any) -> list[str]:
-        return streaming_problems(self, plan) if getattr(self.options, "streaming", False) else []
+        return super().check(plan) + (streaming_problems(self, plan) if getattr(self.options, "streaming", False)
+                                      else [])
 
     def load(self, ctx: Any) -> Any:
         if getattr(self.options, "streaming", False):

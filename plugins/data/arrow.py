@@ -20,9 +20,10 @@ class ArrowSource(RowSource):
 
     def check(self, plan):
         if not self.options.path.is_dir():
-            return [f"path: {self.options.path} is a file; the arrow source reads a folder written by "
-                    "Dataset.save_to_disk (use the json, csv or parquet source for a file)"]
-        return []
+            return super().check(plan) + [f"path: {self.options.path} is a file; the arrow source reads a folder "
+                                          "written by Dataset.save_to_disk (use the json, csv or parquet source for "
+                                          "a file)"]
+        return super().check(plan)
 
     def inputs(self):
         return sorted(p for p in self.options.path.rglob("*") if p.is_file())

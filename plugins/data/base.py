@@ -15,6 +15,8 @@ that yields the file's raw rows as dicts. The base does the rest, as for the bui
 * ``limit`` (``read_rows`` is not asked for a row past it), the filters (``min_chars``,
   ``max_chars``, ``drop_non_text``), ``dedup`` and a
   ``validation`` split (``split_strategy``, ``split_by``, ``seed``);
+* as evaluation data, the rows whose prompt repeats a training row's counted, warned about and,
+  with ``train_overlap = "drop"``, left out (docs/data.md, "Train/evaluation overlap");
 * the data report: the base sets ``self.stats`` (rows read, kept, skipped per reason,
   dropped by each filter); a subclass does not.
 

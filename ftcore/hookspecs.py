@@ -37,7 +37,8 @@ def register_chat_templates(register: Register) -> None:
     """Register chat templates: components that turn messages into text.
 
     :param register: call ``register(cls)`` for each template class, with ``name``,
-        ``Options`` and ``render(messages, tokenizer, add_generation_prompt) -> str``.
+        ``Options`` and ``render(messages, tokenizer, add_generation_prompt) -> str``; optionally ``prepare(model,
+        tokenizer)`` and ``stop_tokens`` (generation stops at ``ftcore_plugins.common.chat.stop_token_ids``).
     """
 
 
@@ -64,7 +65,8 @@ def register_trainers(register: Register) -> None:
     """Register trainers (SFT, pre-training, DPO, ...), one per ``[[stage]]`` kind.
 
     :param register: call ``register(cls)`` for each trainer class, with ``name``, ``Options`` and
-        ``train(ctx) -> dict`` of final metrics; optionally ``prepare_data(ctx)``, the tokenization alone.
+        ``train(ctx) -> dict`` of final metrics; optionally ``prepare_data(ctx)``, the tokenization alone, and
+        ``supports_images``: True, it reads rows with images; False, it refuses them (unset: ``ftcore run`` warns).
     """
 
 
@@ -73,7 +75,7 @@ def register_evaluators(register: Register) -> None:
     """Register evaluators, which measure a model before and after training.
 
     :param register: call ``register(cls)`` for each evaluator class, with ``name``,
-        ``Options`` and ``evaluate(ctx) -> dict[str, float]``.
+        ``Options`` and ``evaluate(ctx) -> dict[str, float]``; optionally ``supports_images``, as a trainer's.
     """
 
 

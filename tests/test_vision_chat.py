@@ -122,6 +122,25 @@ def test_generate_answers_image_rows_as_plain_transformers(vlm_run, tmp_path):
     assert "images" not in final[4] and "<image>" not in final[4]["prompt"]
 
 
+def test_generate_on_a_lora_vlm_run_says_its_own_lines_only(vlm_run, tmp_path):
+    """One prompt with a reference, on the LoRA run (peft imports bitsandbytes, whose CPU backend warns at import;
+    transformers warns of a deprecation as the adapter loads; loading bars): stderr holds ftcore's own lines, as
+    `ftcore chat` keeps it, and the summary counts one answer and one row in the singular."""
+    from test_chat import NOISE
+
+    (tmp_path / "red.png").write_bytes((data(vlm_run) / "red.png").read_bytes())
+    prompts = write_jsonl(tmp_path / "one.jsonl", [{"messages": [{"role": "user", "content": "<image>" + QUESTION},
+                                                                 {"role": "assistant", "content": "It is red."}],
+                                                    "images": ["red.png"]}])
+    out = tmp_path / "answers.jsonl"
+    done = run_cli("generate", str(vlm_run), "--input", str(prompts), "--output", str(out), "--max-new-tokens", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [word for word in NOISE if word in done.stderr], done.stderr
+    summary = done.stderr.strip().splitlines()[-1]
+    assert summary.startswith(f"wrote 1 answer to {out} (") and "; 1 row has a reference: exact match " in summary, \
+        summary
+
+
 def error_line(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()

@@ -232,3 +232,31 @@ def test_validate_data_reads_images_relative_to_the_data_file(tmp_path):
     assert done.returncode == 2
     assert f"data.train: data/d.jsonl:2: image 1 (images[0]): {tmp_path / 'data' / 'img' / 'gone.png'}: no such file" \
         in done.stderr, done.stderr
+
+
+def test_validate_data_on_a_tokenizer_trained_on_rows_with_a_missing_image(tmp_path):
+    """The vision example's way: a scratch LLaVA whose tokenizer is trained on the same rows. A missing image is
+    one line, and the tokenizer is trained on the rows that load, so the others are still rendered: with a
+    template that renders text only, each of them says so."""
+    from conftest import run_cli
+
+    image_file(tmp_path, "a.png")
+    good = {"messages": [{"role": "user", "content": "<image>What is it?"}, answer()], "images": ["a.png"]}
+    write(tmp_path, "d.jsonl", lines(good, {**good, "images": ["gone.png"]}, good))
+    plan = tmp_path / "plan.toml"
+    head = '[model]\nuse = "scratch"\narchitecture = "llava"\nhidden_size = 32\nnum_layers = 1\nnum_heads = 2\n' \
+           'tokenizer_data = ["train"]\nvocab_size = 300\n\n[template]\nuse = "{}"\n\n'
+    body = '[data.train]\nuse = "jsonl"\npath = "data/d.jsonl"\n\n[[stage]]\nname = "sft"\ntrainer = "sft"\n' \
+           'data = "train"\nmax_steps = 1\n'
+    missing = f"data.train: data/d.jsonl:2: image 1 (images[0]): {tmp_path / 'data' / 'gone.png'}: no such file"
+    plan.write_text(head.format("native") + body)
+    done = run_cli("validate", str(plan), "--data", cwd=tmp_path, timeout=600)
+    assert done.returncode == 2 and done.stderr.splitlines() == [missing], done.stderr
+    assert "data: 3 rows read from 1 file(s) in 1 source(s); 1 bad (missing image: 1); 1 would stop the run" \
+        in done.stdout
+    plan.write_text(head.format("chatml") + body)
+    done = run_cli("validate", str(plan), "--data", cwd=tmp_path, timeout=600)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "data.train: data/d.jsonl:1 (and 1 more row(s) like it): cannot render with the template: template 'chatml' "
+        "renders text only, and these rows hold images; use [template] use = \"native\" (the processor's chat "
+        "template) or a \"jinja\" file that renders image parts", missing], done.stderr

@@ -155,9 +155,11 @@ def test_dpo_on_image_pairs_is_trls_own_vlm_dpo(tmp_path):
 @pytest.mark.parametrize("family", DPO_FAMILIES)
 def test_image_tokens_are_never_in_the_answers(tmp_path, family):
     """Every family TRL's DPO batches: the answers' (completion) tokens decode to exactly each answer's text
-    and its end of turn, and hold no image or vision-placeholder token; the prompts hold the image's tokens."""
-    from ftcore_plugins.common.vision import vision_token_ids
-    from ftcore_plugins.trainers._vision import vision_pairs
+    and its end of turn, and hold no image or vision-placeholder token; the prompts hold the image's tokens. The
+    lengths the stage's data report gives (each prompt's image counted from its size, none decoded) are the
+    batch's."""
+    from ftcore_plugins.common.vision import image_template, vision_token_ids
+    from ftcore_plugins.trainers._vision import pair_tokens, vision_pairs
 
     ctx = stage(tmp_path, family, read_pairs(tmp_path, 8))
     train, _, collator = vision_pairs(ctx, options(max_length=512), "dpo")
@@ -174,6 +176,9 @@ def test_image_tokens_are_never_in_the_answers(tmp_path, family):
         text = rows[k % 8]["chosen" if k < 8 else "rejected"][0]["content"]
         # (SmolVLM's template writes the space after "Assistant:" with the answer)
         assert tokenizer.decode(ids[answer]).removeprefix(" " if family == "idefics3" else "") == text + closer
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert [p + a for p, a in pair_tokens(collator, image_template(native()), train)] == \
+        [max(lengths[k], lengths[k + 8]) for k in range(8)]
 
 
 def test_a_short_dpo_run_on_image_pairs_raises_reward_accuracy(tmp_path):
@@ -221,6 +226,11 @@ save_steps = 100
     assert summary["eval_logp_margin"] > summary["eval_logp_margin_before"] + 0.5, summary
     assert summary["reference_logp_max_diff"] < 1e-3  # TRL's reference is the policy as the stage started
     assert (run / "stages" / "dpo" / "output" / "processor_config.json").is_file()
+    # The pairs' lengths reported as text pairs' are (the table, data_report.json), and no library's chatter.
+    report = json.loads((run / "data_report.json").read_text())
+    assert report["dpo/train"]["rows"] == report["dpo/train"]["kept"] == 18 and report["dpo/train"]["length_max"] > 0
+    assert "data for stage dpo" in done.stdout
+    assert "hashed" not in done.stderr and "Parameter 'function'" not in done.stderr, done.stderr
 
 
 def test_what_dpo_on_image_pairs_does_not_do_is_one_line(tmp_path):

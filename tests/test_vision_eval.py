@@ -12,6 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
+import ftcore
+from ftcore.component import Component
+
 from conftest import ROOT, run_cli
 from test_vision_labels import TOKENIZERS, built, native, png
 
@@ -176,6 +179,15 @@ def test_the_vision_example_shortened_end_to_end(tmp_path):
     done = run_cli("run", str(plan), cwd=tmp_path, env={"OMP_NUM_THREADS": "1"}, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     run = example / "runs" / "vision"
+    # The image stage's data report, as a text stage's: data_report.json and the console's table; its line
+    # about the image rows once, in the log too (the data is prepared before the model loads, and again).
+    report = json.loads((run / "data_report.json").read_text())["sft/train"]
+    assert report["rows"] == report["images"] == report["kept"] == 480 and report["truncated"] == 0, report
+    assert 0 < report["label_tokens"] < report["tokens"] and report["length_p50"] <= report["length_max"] <= 128
+    assert "data for stage sft" in done.stdout, done.stdout
+    assert done.stdout.count("480 rows with images") == 1
+    assert (run / "run.log").read_text().count("480 rows with images") == 1
+    assert "warning" not in done.stderr, done.stderr
     evals = json.loads((run / "summary.json").read_text())["evaluations"]
     before, after = (evals[phase]["perplexity"] for phase in ("before", "after"))
     assert before["tokens"] == after["tokens"] == 192  # each held-out answer and its end of turn
@@ -196,3 +208,80 @@ def test_the_vision_example_shortened_end_to_end(tmp_path):
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+# -- a plugin's evaluator on image rows --------------------------------------------------------------------
+
+EXAMPLE_EVALUATOR = ROOT / "examples" / "ftcore-example-evaluator"
+
+
+class TextAlone(Component):
+    """An evaluator written before images: it declares nothing about them (it counts its rows)."""
+
+    name = "text-alone"
+
+    def evaluate(self, ctx):
+        return {"n": len(ctx.data)}
+
+
+class TextAlonePlugin:
+    @ftcore.hookimpl
+    def register_evaluators(self, register):
+        register(TextAlone)
+
+
+def test_the_example_evaluator_answers_image_rows_from_their_pictures(tmp_path, monkeypatch, capsys):
+    """examples/ftcore-example-evaluator's answer_length (supports_images) on examples/vision, trained 6 epochs:
+    each held-out question is answered with its picture. Every colour question has the same text (so has every
+    shape question), so answers from the text alone could be right at most 12 + 16 times of 96 (each colour
+    answers 12 of them, each shape 16): the control, the same questions without their pictures, is held to
+    that, and the answers with the pictures are right far more often. Its answers stop where the built-ins'
+    stop (the template's end of turn, through the documented stop_token_ids). An evaluator that declares nothing
+    gets the rows with images too, and one warning."""
+    import importlib
+
+    from rich.console import Console
+
+    from ftcore.plan import load_plan
+    from ftcore.plugins import PluginInfo, get_plugin_manager
+    from ftcore.runner import Runner
+
+    monkeypatch.syspath_prepend(str(EXAMPLE_EVALUATOR))
+    example = importlib.import_module("ftcore_example_evaluator")
+    assert example.AnswerLength.supports_images is True
+    pm = get_plugin_manager(entry_points=False)
+    pm.add_plugin(example, PluginInfo("example-evaluator", "ftcore-example-evaluator", "0.1.0", "entry point"))
+    pm.add_plugin(TextAlonePlugin(), PluginInfo("text-alone", "text-alone-dist", "1.0", "entry point"))
+    pm.check_pending()
+
+    data = ROOT / "examples" / "vision" / "data"
+    rows = [json.loads(line) for line in (data / "eval.jsonl").read_text().splitlines()]
+    blind = tmp_path / "blind.jsonl"
+    blind.write_text("".join(json.dumps({"messages": [{**m, "content": m["content"].replace("<image>", "")}
+                                                      for m in r["messages"]]}) + "\n" for r in rows))
+    text = (ROOT / "examples" / "vision" / "plan.toml").read_text().split("[[evaluate]]")[0]
+    assert "epochs = 30" in text and 'path = "data/' in text
+    evaluations = "".join(f'\n[[evaluate]]\nname = "{name}"\nuse = "answer_length"\ndata = "{ref}"\nwhen = "after"\n'
+                          "max_new_tokens = 4\n" for name, ref in (("pictures", "eval"), ("blind", "blind")))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(text.replace("epochs = 30", "epochs = 6").replace('path = "data/', f'path = "{data.as_posix()}/')
+                    + f'\n[data.blind]\nuse = "jsonl"\npath = "{blind.as_posix()}"\n' + evaluations
+                    + '\n[[evaluate]]\nuse = "text-alone"\ndata = "eval"\n')
+    with open(tmp_path / "out.txt", "w") as out:
+        Runner(load_plan(plan, pm.registry()), pm, Console(file=out, width=120)).run()
+    warned = [line for line in capsys.readouterr().err.splitlines() if "supports_images" in line]
+
+    after = tmp_path / "runs" / "vision" / "evaluations" / "after"
+    answers = {name: [json.loads(line) for line in (after / name / "answers.jsonl").read_text().splitlines()]
+               for name in ("pictures", "blind")}
+    assert [a["images"] for a in answers["pictures"]] == [[str(data / ref) for ref in r["images"]] for r in rows]
+    assert all("images" not in a for a in answers["blind"])
+    right = {name: sum(a["answer"] == a["reference"] for a in found) for name, found in answers.items()}
+    assert right["blind"] <= 12 + 16, right
+    assert right["pictures"] >= 60, right
+    # It stops where the built-ins stop: the native template declares no stop token, and the model ends each
+    # answer with its end of turn (<|eot_id|>), not with the tokenizer's EOS.
+    assert sum(a["stopped"] for a in answers["pictures"]) >= 90, answers["pictures"][:3]
+    assert warned == ["warning: evaluation 'text-alone': data 'eval' holds rows with images, and evaluator "
+                      "'text-alone' from plugin 'text-alone' (text-alone-dist 1.0) does not declare that it reads "
+                      "them (supports_images): it may use their text alone (docs/writing-plugins.md)"], warned

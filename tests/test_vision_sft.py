@@ -104,6 +104,28 @@ def test_lora_targets_the_language_model_only_by_default(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_lora_targets_line_names_the_layers_as_on_a_text_model(family):
+    """peft needs longer names on a VLM (its vision tower has q_proj too), but the line says what was adapted as a
+    text model's says it: the layers' own names, in model order, and how many layers."""
+    import copy
+    import re
+    from types import SimpleNamespace
+
+    from ftcore_plugins.adapters._targets import resolve
+    from ftcore_plugins.adapters.lora import LoraAdapter
+
+    said = []
+    reporter = SimpleNamespace(info=said.append, warn=said.append)
+    model = copy.deepcopy(built(family)[0])
+    LoraAdapter(LoraAdapter.Options()).apply(model, SimpleNamespace(run=None, reporter=reporter, quantizer=None))
+    line = next(s for s in said if " targets " in s)
+    names, layers = re.fullmatch(r"adapter lora: targets (.+) \((\d+) layers\)", line).groups()
+    chosen = resolve(built(family)[0], "all-linear").modules
+    assert int(layers) == len(chosen)
+    assert names.split(", ") == list(dict.fromkeys(path.rsplit(".", 1)[1] for path in chosen)), line
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_few_steps_on_image_rows_lower_the_loss_with_the_vision_tower_frozen(family, images):
     """The batches the sft collator builds, the LoRA adapter sft applies, a few optimizer steps."""
     import copy

@@ -598,6 +598,19 @@ def settle_names(model: Any, adapter: str = "default") -> tuple[list[str], list[
     return module_names, parameter_names_
 
 
+def language_model_names(model: Any, layers: list[str]) -> list[str] | None:
+    """On a vision-language model whose vision tower and projector got no adapter: the shortest names that pick
+    ``layers`` among the language model's modules alone (``q_proj``, as on a text model), for the targets
+    line; peft's names must also leave out the tower's layers of the same names, so they are longer. None
+    on any other model."""
+    tower, projector = vision_parts(model)
+    vision = [_base_path(p) for p in tower + projector]
+    if not vision or any(_under(p, vision) for p in layers):
+        return None
+    every = {_base_path(p) for p, _ in model.named_modules() if p}
+    return shortest_names(layers, [p for p in every if not _under(p, vision)])
+
+
 def describe_adapted(model: Any, frozen: dict[str, tuple[str, str]] | None = None, adapter: str = "default") -> str:
     """The targets line of a wrapped model, from what peft adapted (:func:`adapted`) and the names in its
     config (:func:`settle_names`): ``q_proj, k_proj (8 layers); parameters experts.gate_up_proj,
@@ -605,7 +618,8 @@ def describe_adapted(model: Any, frozen: dict[str, tuple[str, str]] | None = Non
     -> (name, why)) that got no adapter."""
     layers, params = adapted(model, adapter)
     module_names, parameter_names_ = settle_names(model, adapter)
-    text = f"{', '.join(module_names)} ({len(layers)} layers)" if layers else "no layer"
+    text = f"{', '.join(language_model_names(model, layers) or module_names)} ({len(layers)} layers)" if layers \
+        else "no layer"
     if params:
         held = [n for n in params.values() if n > 1]  # expert tensors; the others are single matrices
         counts = "/".join(map(str, sorted(set(held))))

@@ -15,7 +15,7 @@ from ftcore.command import Command
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.commands.chat import (add_model_arguments, add_sampling_arguments, capped, context_length,
-                                          sampling_from)
+                                          quiet_libraries, sampling_from)
 
 ACCEPTED = ("prompt (a string or a list of messages), messages, conversations (ShareGPT), "
             "or instruction/output (Alpaca)")
@@ -119,6 +119,11 @@ def images_refused(shown: str, row: InputRow, run: str, what: str) -> str:
             "which reads text only; images need a vision-language model's run (docs/vision.md)")
 
 
+def counted(n: int, noun: str) -> str:
+    """``1 row``, ``2 rows``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def normalize(text: str) -> str:
     """The ``exact_match`` evaluator's comparison: case and runs of whitespace ignored."""
     return re.sub(r"\s+", " ", text).strip().lower()
@@ -147,6 +152,8 @@ class GenerateCommand(Command):
         parser.add_argument("--batch-size", type=int, default=16, help="prompts per batch (default 16)")
 
     def run(self, args: argparse.Namespace) -> int:
+        if not args.debug:  # the libraries' chatter off, as ftcore chat keeps it (their errors still show)
+            quiet_libraries()
         from rich.console import Console
 
         from ftcore.reporter import Reporter
@@ -203,10 +210,11 @@ class GenerateCommand(Command):
         if scored:
             exact = sum(a.strip() == r.strip() for a, r in scored) / len(scored)
             loose = sum(normalize(a) == normalize(r) for a, r in scored) / len(scored)
-            note = (f"; {len(scored)} rows have a reference: exact match {exact:.4f} (as the generation evaluator), "
-                    f"{loose:.4f} ignoring case and spaces (as exact_match)")
-        console.print(f"wrote {len(answers)} answers to {args.output} ({model.label}, {sampling.describe()}){note}",
-                      highlight=False)
+            note = (f"; {counted(len(scored), 'row')} {'has' if len(scored) == 1 else 'have'} a reference: exact "
+                    f"match {exact:.4f} (as the generation evaluator), {loose:.4f} ignoring case and spaces (as "
+                    "exact_match)")
+        console.print(f"wrote {counted(len(answers), 'answer')} to {args.output} ({model.label}, "
+                      f"{sampling.describe()}){note}", highlight=False)
         return 0
 
 

@@ -52,7 +52,9 @@ def register_commands(register):
 @ftcore.hookimpl
 def ftcore_prepare_data(run, stages, load_data):
     """``ftcore run`` prepares the data of the stages it is about to train as ``ftcore prepare`` does,
-    before the model loads: a bad row stops it there."""
-    from ftcore_plugins.common.run_data import prepare_before_load
+    before the model loads: a bad row stops it there. Then it warns about rows with images that reach a
+    trainer or evaluator that does not say it reads them."""
+    from ftcore_plugins.common.run_data import prepare_before_load, warn_unread_images
 
     prepare_before_load(run, stages, load_data)
+    warn_unread_images(run, stages, load_data)

@@ -320,7 +320,8 @@ class _NoProgress:
 def stop_token_ids(tokenizer: Any, template: Any) -> list[int]:
     """EOS plus the template's end-of-turn tokens: generation stops at any of them. A template that
     declares none (``native``, a ``jinja`` file) stops where its rendering closes an assistant turn, the
-    token its labels train (Gemma's ``<end_of_turn>``, a Llama 3 base tokenizer's ``<|eot_id|>``)."""
+    token its labels train (Gemma's ``<end_of_turn>``, a Llama 3 base tokenizer's ``<|eot_id|>``). Public: where
+    every built-in and a plugin's evaluator stop generating (docs/writing-plugins.md, "Chat template")."""
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)

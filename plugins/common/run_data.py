@@ -116,6 +116,23 @@ def _shape(tokenizer: Any) -> tuple:
             getattr(tokenizer, "padding_side", None), getattr(tokenizer, "truncation_side", None))
 
 
+def warn_unread_images(run: Any, stages: list[Any], load_data: Any) -> None:
+    """``ftcore run``, before the model loads: one line for each trainer of a stage still to train, and each
+    evaluator, that gets rows with images (an ``images`` column) and whose class does not declare what it does
+    with them (``supports_images``: True, it reads them; False, it refuses them itself): it may use their text
+    alone. The data is the run's, loaded already (``load_data`` caches it)."""
+    uses = [(f"stage {s.name}", s.trainer, (s.data, s.eval_data)) for s in stages]
+    uses += [(f"evaluation '{e.name}'", e.evaluator, (e.data,)) for e in run.plan.evaluations]
+    for where, sel, refs in uses:
+        if getattr(sel.reg.cls, "supports_images", None) is not None:
+            continue
+        for ref in dict.fromkeys(r for r in refs if r):
+            if "images" in (getattr(load_data(ref), "column_names", None) or ()):
+                run.reporter.warn(f"{where}: data '{ref}' holds rows with images, and {sel.reg.kind} '{sel.name}' "
+                                  f"from {sel.reg.who()} does not declare that it reads them (supports_images): it "
+                                  "may use their text alone (docs/writing-plugins.md)")
+
+
 class Silent(Reporter):
     """A reporter that says nothing, not even in ``run.log``: what a stage's data preparation says before the
     model loads it says again when it trains (a run's log holds each line once)."""

@@ -246,14 +246,18 @@ def attach_processor(tokenizer: Any, processor: Any) -> Any:
 
 
 def processor_of(tokenizer: Any) -> Any | None:
-    """The processor a loader attached to ``tokenizer``, or None (a text model)."""
+    """The processor a loader attached to ``tokenizer``, or None (a text model). Public: an evaluator's
+    ``processor_of(ctx.tokenizer)`` (docs/writing-plugins.md)."""
     return getattr(tokenizer, "ftcore_processor", None)
 
 
-def prompt_inputs(tokenizer: Any, prompts: list[str], images: list[list] | None = None) -> Any:
+def prompt_inputs(tokenizer: Any, prompts: list[str], images: list[list] | None = None, *,
+                  where: str = "prompts") -> Any:
     """Left-padded model inputs for rendered ``prompts``: the processor's (pixels and all) when any prompt
-    has images (``images``: each prompt's image references, decoded here), else the tokenizer's."""
-    processor = processor_of(tokenizer) if images and any(images) else None
+    has images (``images``: each prompt's image references, decoded here), else the tokenizer's. Images
+    for a text model (no processor) are one line naming ``where``, never dropped. Public: an evaluator
+    generates from image rows with it (docs/writing-plugins.md)."""
+    processor = require_processor(tokenizer, where) if images and any(images) else None
     pads = getattr(processor, "tokenizer", tokenizer)  # the tokenizer that pads: the processor's own
     side, pads.padding_side = pads.padding_side, "left"  # decoder-only models generate from the right
     try:

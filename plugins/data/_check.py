@@ -184,16 +184,34 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
     reporter = _Quiet()
     run = RunInfo(plan, plan.run_dir)
     loaded: dict[str, Any] = {}
+    sources: dict[str, Any] = {}  # name -> the component loaded, for its data report
 
     def load_data(ref: str) -> Any:  # as the runner loads a reference, for a scratch tokenizer
         name, _, split = ref.partition(":")
         if name not in loaded:
-            data = plan.data[name].create().load(DataContext(run, reporter, name, load_data))
+            sources[name] = plan.data[name].create()
+            data = sources[name].load(DataContext(run, reporter, name, load_data))
             loaded[name] = data if isinstance(data, dict) else {"train": data}
         return loaded[name][split or "train"]
 
+    checked = {**names, **evaluated}
+    readable: dict[str, Any] = {}
+
+    def rows_that_load(ref: str) -> Any:
+        """For a scratch tokenizer: the rows of a source checked below that load (its bad rows are skipped here
+        and reported there, once each), so that the good rows are still rendered; any other source as a run reads it."""
+        name, _, split = ref.partition(":")
+        sel = plan.data[name]
+        if name not in checked or not hasattr(sel.options, "on_error"):
+            return load_data(ref)
+        if name not in readable:
+            source = sel.reg.cls(sel.options.model_copy(update={"on_error": "skip"}))
+            data = source.load(DataContext(run, reporter, name, rows_that_load))
+            readable[name] = data if isinstance(data, dict) else {"train": data}
+        return readable[name][split or "train"]
+
     with _quiet_datasets():
-        tokenizer, note = plan_tokenizer(plan, load_data)
+        tokenizer, note = plan_tokenizer(plan, rows_that_load)
         if note:
             report.notes.append(note)
         template = plan.template.create()
@@ -218,12 +236,14 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
                 message = str(exc)
                 raise FtcoreError(message if message.startswith("template ") else f"{title}: {message}") from None
 
-        for name, train_on_inputs in {**names, **evaluated}.items():
+        for name, train_on_inputs in checked.items():
             ctx = DataContext(run, reporter, name, load_data)
             _check_source(plan.data[name], ctx, report, render if tokenizer is not None else None, train_on_inputs)
         for line in template_notes({"end_token_added": locator.closed_by_us,
                                     "reasoning_dropped": locator.dropped_reasoning}, template, tokenizer):
             print(f"warning: {line}", file=report.err)
+    if not report.fatal:
+        _train_overlap(plan, load_data, sources, report)
     if not report.fatal and names:
         _prepare_stages(plan, report)
     for line in report.notes:
@@ -235,6 +255,27 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
 def _mix(plan: Any, name: str) -> bool:
     """Whether ``name`` is a mix (its sources are checked in its place)."""
     return isinstance(getattr(plan.data[name].options, "sources", None), dict)
+
+
+def _train_overlap(plan: Any, load_data: Any, sources: dict[str, Any], report: Report) -> None:
+    """Each evaluation's data loaded as the run loads it, which compares it with the training data
+    (:mod:`ftcore_plugins.data._overlap`): a warning per training source its rows repeat, and what
+    ``train_overlap = "drop"`` leaves out."""
+    from ftcore_plugins.data._overlap import evaluation_refs, messages
+
+    for name in dict.fromkeys(ref.partition(":")[0] for ref in evaluation_refs(plan)):
+        try:
+            with _quiet_datasets():
+                load_data(name)
+        except FtcoreError as exc:  # "drop" would leave no row to evaluate on
+            report.stop(str(exc))
+            continue
+        stats = getattr(sources.get(name), "stats", None) or {}
+        for line in messages(name, stats):
+            print(f"data.{name}: warning: {line}", file=report.err)
+        if stats.get("dropped_train_overlap"):
+            print(f"data.{name}: note: train_overlap = \"drop\" leaves out {stats['dropped_train_overlap']:,} of "
+                  f"these rows; {stats['rows_kept']:,} left", file=report.err)
 
 
 def _prepare_stages(plan: Any, report: Report) -> None:

@@ -212,6 +212,7 @@ class Generation(Component):
     format compliance, with bootstrap confidence intervals; predictions.jsonl for inspection."""
 
     name = "generation"
+    supports_images = True  # rows with images are answered through the model's processor
 
     class Options(Options):
         max_new_tokens: Tokens = 64

@@ -158,6 +158,7 @@ class Perplexity(Component):
     """Token-weighted perplexity on held-out data (assistant tokens for chat, all tokens for text)."""
 
     name = "perplexity"
+    supports_images = True  # rows with images are scored as training sees them, pixels and all
 
     class Options(Options):
         batch_size: int = Field(8, ge=1, le=1 << 16)

@@ -89,7 +89,8 @@ class HFModelLoader(Component):
         except FtcoreError as exc:
             file = folder / "tokenizer.json"
             return f"{file if file.is_file() else folder} cannot be read: {_checks.one_line(exc.__cause__ or exc)}"
-        lend_tokenizer(plan.run_dir, self.options, tokenizer)
+        if getattr(plan, "run_dir", None) is not None:  # a run's plan (not a check's stand-in)
+            lend_tokenizer(plan.run_dir, self.options, tokenizer)
         return None
 
     def _config_against_weights(self, folder: Path, config: dict) -> str | None:

@@ -80,21 +80,25 @@ def require_data(ctx: Any, trainer: str, accepts: tuple[str, ...], images: bool 
 
 
 def length_report(ctx: Any, texts: dict[str, Any], max_length: int, *, style: str,
-                  drops_whole_row: bool = False) -> dict[str, list]:
+                  drops_whole_row: bool = False, measured: dict[str, list[tuple[int, int]]] | None = None
+                  ) -> dict[str, list]:
     """Tokenize the rendered splits, report per split how many rows are kept, truncated (an answer
     cut at ``max_length``) and dropped (the prompt alone fills ``max_length``; with
     ``drops_whole_row``, any sequence over it, as TRL's reward trainer does), with length
-    percentiles; return the ids of each split."""
+    percentiles; return the ids of each split. ``measured``: each split's rows as (prompt tokens, longer
+    answer's tokens), measured by the caller (pairs with images: their images expanded) in place of
+    tokenizing ``texts``; no ids are returned for those."""
     out, shown = {}, []
     for label, rows in texts.items():
         if rows is None:
             continue
-        ids = tokenize(ctx.tokenizer, rows, style=style)
-        longest = [len(p) + max(len(a) for a in answers) for p, answers in ids]
+        ids = tokenize(ctx.tokenizer, rows, style=style) if measured is None else None
+        sizes = measured[label] if ids is None else [(len(p), max(len(a) for a in answers)) for p, answers in ids]
+        longest = [p + a for p, a in sizes]
         too_long = [n > max_length for n in longest]
-        dropped = sum(too_long) if drops_whole_row else sum(len(p) >= max_length for p, _ in ids)
+        dropped = sum(too_long) if drops_whole_row else sum(p >= max_length for p, _ in sizes)
         ordered = sorted(longest) or [0]
-        stats = {"rows": len(ids), "kept": len(ids) - dropped, "truncated": 0 if drops_whole_row else
+        stats = {"rows": len(sizes), "kept": len(sizes) - dropped, "truncated": 0 if drops_whole_row else
                  sum(too_long) - dropped, "dropped": dropped, "max_length": max_length,
                  "length_p50": ordered[len(ordered) // 2], "length_p90": ordered[(9 * len(ordered)) // 10],
                  "length_max": ordered[-1]}
@@ -105,7 +109,8 @@ def length_report(ctx: Any, texts: dict[str, Any], max_length: int, *, style: st
         if not stats["kept"]:
             raise FtcoreError(f"stage {ctx.stage}: every {label} row is longer than max_length={max_length}; "
                               "raise max_length")
-        out[label] = ids
+        if ids is not None:
+            out[label] = ids
     ctx.reporter.table(f"data for stage {ctx.stage} (tokens; data_report.json has more)",
                        ["split", "rows", "kept", "trunc.", "dropped", "length p50/p90/max"], shown)
     return out
@@ -188,9 +193,15 @@ def train_pairs_with_images(ctx: Any, o: Any, name: str, trainer_cls: type, conf
     image references, batched by TRL's vision collator (through :class:`VisionPairCollator`, which decodes the
     images), TRL's DPOTrainer given the processor; the held-out measurement from the same batches."""
     from ftcore_plugins.trainers._training import run_trainer
-    from ftcore_plugins.trainers._vision import pair_logps, pair_reference_gap, save_processor, vision_pairs
+    from ftcore_plugins.common.vision import image_template
+    from ftcore_plugins.trainers._vision import pair_logps, pair_reference_gap, pair_tokens, save_processor, \
+        vision_pairs
 
     train, evaluation, collator = vision_pairs(ctx, o, name)
+    splits = {"train": train, "eval": evaluation}
+    template = image_template(ctx.template)
+    length_report(ctx, splits, o.max_length, style="plain",
+                  measured={k: pair_tokens(collator, template, v) for k, v in splits.items() if v is not None})
     start = pair_logps(ctx.model, collator, evaluation, o.batch_size) if evaluation is not None else None
     trainer, metrics = run_trainer(ctx, o, trainer_cls, config_cls, train=train,
                                    evaluation=evaluation if periodic_evaluation(o) else None,

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.chat import IGNORE
-from ftcore_plugins.common.images import ImageError, image_size, load_image
-from ftcore_plugins.common.prepare import data_origin, is_stream
+from ftcore_plugins.common.images import IMAGE, ImageError, image_size, load_image
+from ftcore_plugins.common.prepare import data_origin, is_stream, padding_fraction
 from ftcore_plugins.common.vision import (VisionCollator, VisionEncoder, has_images, image_template,
                                           require_processor, vision_token_ids)
 
@@ -56,14 +57,20 @@ def _indexed(ctx: Any) -> list[Any]:
 
 def vision_splits(ctx: Any, o: Any, trainer: str) -> tuple[Any, Any, VisionCollator]:
     """The train and eval rows as they are (each with its index, for messages), or with ``packing`` the
-    train rows' bins, and the collator that turns them into batches. Refuses, in one line, what this
-    path does not do yet."""
+    train rows' bins, and the collator that turns them into batches; their data report, as the text path
+    gives it. Refuses, in one line, what this path does not do yet."""
     where, processor = _checked(ctx, o)
     train, evaluation = _indexed(ctx)
     encoder = VisionEncoder(processor, ctx.template, max_length=o.max_length,
                             train_on_inputs=getattr(o, "train_on_inputs", False), where=where)
-    if getattr(o, "packing", False):
-        bins = packed_bins(ctx, encoder, train, o)
+    if getattr(o, "packing", False) and o.max_length is None:
+        raise FtcoreError(f"stage {ctx.stage}: packing = true needs max_length (the length of a packed row)")
+    measured = {"train": row_tokens(encoder, train)}
+    if evaluation is not None:
+        measured["eval"] = row_tokens(encoder, evaluation)
+    bins = best_fit([r.length for r in measured["train"]], o.max_length) if getattr(o, "packing", False) else None
+    report_image_rows(ctx, measured, o, bins)
+    if bins is not None:
         ctx.reporter.info(f"stage [bold]{ctx.stage}[/]: {len(train):,} rows with images in {len(bins):,} packed rows "
                           f"of {o.max_length} tokens; they are rendered, labelled and their images decoded batch by batch")
         from datasets import Dataset
@@ -74,33 +81,130 @@ def vision_splits(ctx: Any, o: Any, trainer: str) -> tuple[Any, Any, VisionColla
     return train, evaluation, VisionCollator(encoder)
 
 
-# -- packing (sft) -----------------------------------------------------------------------------------
+# -- what the rows hold (the data report) -----------------------------------------------------------
 
-BIN = "__bin"  # the column of a packed train set: each row the indices of the image rows one packed row holds
+@dataclass(frozen=True)
+class RowTokens:
+    """A row with images as its batch holds it."""
+
+    length: int  # tokens, its images expanded, before max_length cuts any
+    trained: int  # tokens trained, once max_length has cut the row's end
+    images: int
 
 
-def expanded_lengths(encoder: VisionEncoder, rows: Any) -> list[int]:
-    """Each row's length in tokens with its images expanded, without decoding an image: its rendered
-    text's tokens, plus what the processor adds for an image of each size (measured once a size, on a
-    blank image of that size; each image's size comes from its file's header)."""
-    from PIL import Image
+class ImageTokens:
+    """What the processor adds to a rendered row for an image of a given size: measured once a size, on a
+    blank image of that size in a user turn of its own as ``template`` renders it (so the family's own image
+    markup, whatever token the processor expands), never on a decoded image."""
 
-    processor, token = encoder.processor, encoder.processor.image_token
-    alone = len(encoder.tokenizer(token, add_special_tokens=False)["input_ids"])
-    added: dict[tuple[int, int], int] = {}
+    def __init__(self, processor: Any, template: Any, tokenizer: Any):
+        self.processor = processor
+        self.probe = template.render([{"role": "user", "content": IMAGE}], tokenizer)
+        self.alone = len(tokenizer(self.probe, add_special_tokens=False)["input_ids"])
+        self.added: dict[tuple[int, int], int] = {}
+
+    def __call__(self, size: tuple[int, int]) -> int:
+        if size not in self.added:
+            from PIL import Image
+
+            blank = self.processor(text=[self.probe], images=[[Image.new("RGB", size)]], add_special_tokens=False)
+            self.added[size] = len(blank["input_ids"][0]) - self.alone
+        return self.added[size]
+
+
+# Rows measured in this process, by what decides the measure: a run measures a stage's rows before the model
+# loads (ftcore_prepare_data) and again when the stage starts; the second time costs nothing. The last few.
+_MEASURED: dict[str, list[RowTokens]] = {}
+
+
+def _measure_key(encoder: VisionEncoder, rows: Any) -> str | None:
+    import hashlib
+    import json
+
+    from ftcore_plugins.common.prepare import data_fingerprint, template_fingerprint, tokenizer_fingerprint
+
+    if not hasattr(rows, "with_format"):  # not a Dataset: measured every time
+        return None
+    return hashlib.sha256(json.dumps([data_fingerprint(rows), tokenizer_fingerprint(encoder.tokenizer),
+                                      template_fingerprint(encoder.template, encoder.tokenizer), encoder.max_length,
+                                      encoder.train_on_inputs]).encode()).hexdigest()
+
+
+def row_tokens(encoder: VisionEncoder, rows: Any) -> list[RowTokens]:
+    """Each row's tokens with its images expanded and those it trains, without decoding an image: its
+    rendered text's tokens and labels, plus what the processor adds for an image of each size (each
+    image's size comes from its file's header). The processor's own on every family but Gemma 3, whose
+    processor writes newlines around each image that can merge with the text beside it (a token or two
+    off, per image)."""
+    key = _measure_key(encoder, rows)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    added = ImageTokens(encoder.processor, encoder.template, encoder.tokenizer)
+    cut = encoder.max_length
     out = []
     for k, row in enumerate(rows):
         try:
-            ids = encoder.text_and_labels(row)[1]
+            ids, labels = encoder.text_and_labels(row)[1:]
             sizes = [image_size(ref) for ref in row.get("images") or []]
         except (FtcoreError, ImageError) as exc:
             raise FtcoreError(f"{encoder.where}, row {row.get('__index', k) + 1}: {exc}") from None
-        for size in sizes:
-            if size not in added:
-                blank = processor(text=[token], images=[[Image.new("RGB", size)]], add_special_tokens=False)
-                added[size] = len(blank["input_ids"][0]) - alone
-        out.append(len(ids) + sum(added[size] for size in sizes))
+        extra = sum(added(size) for size in sizes)
+        # A trained token after every image moves on by all their tokens (i + extra). One before an image moves
+        # on by fewer, but is inside max_length whenever that image is, and so is i + extra: max_length never
+        # cuts an image (such a row is refused).
+        trained = sum(1 for i, (t, label) in enumerate(zip(ids, labels)) if label != IGNORE and t not in encoder.never
+                      and (cut is None or i + extra < cut))
+        out.append(RowTokens(len(ids) + extra, trained, len(sizes)))
+    if key is not None:
+        while len(_MEASURED) >= 4:
+            _MEASURED.pop(next(iter(_MEASURED)))
+        _MEASURED[key] = out
     return out
+
+
+def expanded_lengths(encoder: VisionEncoder, rows: Any) -> list[int]:
+    """Each row's length in tokens with its images expanded, without decoding an image (:func:`row_tokens`)."""
+    return [r.length for r in row_tokens(encoder, rows)]
+
+
+def report_image_rows(ctx: Any, measured: dict[str, list[RowTokens]], o: Any, bins: list[list[int]] | None) -> None:
+    """The stage's data report for rows with images, as the text path gives it (``data_report.json``,
+    ``metrics.jsonl``, the console's table): per split the rows, their images, the rows max_length cuts,
+    the tokens (images expanded) and those trained, the length percentiles; for the train rows the padding
+    batches carry and, with packing (``bins``), how full the packed rows are."""
+    import random
+
+    shown = []
+    for label, rows in measured.items():
+        lengths = [min(r.length, o.max_length or r.length) for r in rows]  # as max_length leaves them
+        ordered = sorted(lengths)
+        stats: dict[str, Any] = {
+            "rows": len(rows), "images": sum(r.images for r in rows), "kept": len(rows),
+            "truncated": sum(o.max_length is not None and r.length > o.max_length for r in rows),
+            "tokens": sum(lengths), "label_tokens": sum(r.trained for r in rows)}
+        if ordered:
+            for p in (50, 90, 99):
+                stats[f"length_p{p}"] = ordered[min(len(ordered) - 1, (p * len(ordered)) // 100)]
+            stats["length_max"] = ordered[-1]
+        if label == "train" and lengths:
+            shuffled = random.Random(0).sample(lengths, len(lengths))  # batches are drawn in random order
+            stats["padding_fraction_unpacked"] = padding_fraction(shuffled, o.batch_size)
+            if bins is not None:
+                filled = sum(lengths) / (len(bins) * o.max_length) if bins else 0.0
+                stats.update(packed_sequences=len(bins), packing_efficiency=filled, padding_fraction_packed=1 - filled)
+        ctx.reporter.data_report(f"{ctx.stage}/{label}", stats)
+        ctx.reporter.log(ctx.stage, {f"data/{label}_{k}": v for k, v in stats.items()})
+        shown.append([label, stats["rows"], stats["images"], stats["kept"], stats["truncated"], stats["tokens"],
+                      stats["label_tokens"], f"{stats.get('length_p50', 0)}/{stats.get('length_p90', 0)}/"
+                      f"{stats.get('length_max', 0)}"])
+    more = "; data_report.json has more" if ctx.reporter.metrics_path else ""
+    ctx.reporter.table(f"data for stage {ctx.stage} (images expanded{more})",
+                       ["split", "rows", "images", "kept", "trunc.", "tokens", "trained", "length"], shown)
+
+
+# -- packing (sft) -----------------------------------------------------------------------------------
+
+BIN = "__bin"  # the column of a packed train set: each row the indices of the image rows one packed row holds
 
 
 def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -118,25 +222,6 @@ def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
         bins[b].append(i)
         if room - lengths[i] > 0:
             bisect.insort(space, (room - lengths[i], b))
-    return bins
-
-
-def packed_bins(ctx: Any, encoder: VisionEncoder, rows: Any, o: Any) -> list[list[int]]:
-    """The train rows' bins of ``max_length`` tokens (images expanded); logs the padding without packing
-    and with it, under the text path's names."""
-    import random
-
-    from ftcore_plugins.common.prepare import padding_fraction
-
-    if o.max_length is None:
-        raise FtcoreError(f"stage {ctx.stage}: packing = true needs max_length (the length of a packed row)")
-    lengths = expanded_lengths(encoder, rows)
-    bins = best_fit(lengths, o.max_length)
-    shuffled = random.Random(0).sample(lengths, len(lengths))  # batches are drawn in random order
-    filled = sum(lengths) / (len(bins) * o.max_length) if bins else 0.0
-    ctx.reporter.log(ctx.stage, {"data/train_padding_fraction_unpacked": padding_fraction(shuffled, o.batch_size),
-                                 "data/train_packed_sequences": len(bins), "data/train_packing_efficiency": filled,
-                                 "data/train_padding_fraction_packed": 1 - filled}, step=0)
     return bins
 
 
@@ -323,6 +408,25 @@ def vision_pairs(ctx: Any, o: Any, trainer: str) -> tuple[Any, Any, VisionPairCo
     ctx.reporter.info(f"stage [bold]{ctx.stage}[/]: {len(train):,} pairs with images; their images are decoded and "
                       "processed batch by batch")
     return train, evaluation, VisionPairCollator(processor, max_length=o.max_length, where=where)
+
+
+def pair_tokens(collator: VisionPairCollator, template: Any, rows: Any) -> list[tuple[int, int]]:
+    """Each rendered pair's prompt tokens, its images expanded (:class:`ImageTokens`, no image decoded), and
+    its longer answer's tokens: what ``collator`` makes of it, for the length report."""
+    tokenizer = collator.tokenizer
+    added = ImageTokens(collator.processor, template, tokenizer)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    out = []
+    for k, row in enumerate(rows):
+        try:
+            extra = sum(added(image_size(ref)) for ref in row.get("images") or [])
+        except ImageError as exc:
+            raise FtcoreError(f"{collator.where}, row {row.get('__index', k) + 1}: {exc}") from None
+        out.append((count(row["prompt"]) + extra, max(count(row["chosen"]), count(row["rejected"]))))
+    return out
 
 
 def pair_logps(model: Any, collator: VisionPairCollator, rows: Any, batch_size: int) -> Any:

@@ -23,6 +23,7 @@ class DPOTrainer(Component):
     """Direct Preference Optimization (TRL DPOTrainer) on preference pairs."""
 
     name = "dpo"
+    supports_images = True  # pairs with images train through TRL's vision collator (trainers/_vision.py)
 
     class Options(TrainOptions):
         learning_rate: LearningRate = 5e-6  # DPO moves a trained policy a little: 5e-7..5e-6 full, ~5e-6..5e-5 LoRA

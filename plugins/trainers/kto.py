@@ -23,6 +23,7 @@ class KTOTrainer(Component):
     """Kahneman-Tversky Optimization (TRL KTOTrainer) on desirable/undesirable answers or pairs."""
 
     name = "kto"
+    supports_images = False  # rows with images are refused in one line (not done yet: docs/vision.md)
 
     class Options(TrainOptions):
         learning_rate: LearningRate = 5e-6

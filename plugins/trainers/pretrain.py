@@ -27,6 +27,7 @@ class Pretrain(SFT):
     name = "pretrain"
     Options = PretrainOptions
     encoder_decoder = False  # causal language modelling: refused on T5/BART at validation
+    supports_images = False  # plain text: rows with images are refused in one line
 
     def prepare_data(self, ctx: Any) -> tuple[Any, Any]:
         if "text" not in ctx.train_data.column_names:

@@ -46,6 +46,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
     name = "sft"
     Options = SFTOptions
     streams = True  # trains from a streaming source (tokenized as it reads, max_steps required)
+    supports_images = True  # trains on chat rows with images (trainers/_vision.py)
     # Also trains encoder-decoder models (T5, BART: trainers/_seq2seq.py); a trainer that is False is refused one.
     encoder_decoder = True
 

@@ -19,6 +19,11 @@ Metrics:
 
 Each answer is also written to ``answers.jsonl`` in the evaluation's folder.
 
+Rows with images (a vision-language model's held-out questions about pictures) are answered from
+their pictures: the class declares ``supports_images = True``, renders each ``<image>`` as an
+image part, and makes the model's inputs with its processor, pixels and all
+(docs/writing-plugins.md, "Rows with images").
+
 Like every ftcore component, this module imports nothing heavy at import time: torch
 is imported inside :meth:`AnswerLength.evaluate`, so ``ftcore plugins`` and
 ``ftcore validate`` stay fast.
@@ -40,6 +45,9 @@ class AnswerLength(Component):
     """Length of greedy answers to held-out prompts, and how often they stop before max_new_tokens."""
 
     name = "answer_length"
+    # It reads rows with images (their pixels reach the model); an evaluator that does not declare this gets
+    # a warning from ftcore when a plan gives it such rows.
+    supports_images = True
 
     class Options(Options):
         max_new_tokens: int = Field(64, ge=1)  # an answer that reaches this did not stop
@@ -57,9 +65,21 @@ class AnswerLength(Component):
     def evaluate(self, ctx):
         import torch
 
+        # ftcore's public helpers: the built-ins' stop tokens, and the image path of the built-in evaluators.
+        from ftcore_plugins.common.chat import stop_token_ids
+        from ftcore_plugins.common.vision import image_template, processor_of, prompt_inputs
+
         if ctx.data is None or "messages" not in ctx.data.column_names:
             raise ftcore.FtcoreError("evaluator 'answer_length' needs chat data (rows with 'messages')")
-        prompts, references = [], []
+        # Rows with images have an "images" column: one reference per <image> in their text. The template
+        # then renders each <image> as an image part (the model's image token), and the processor makes the
+        # inputs; a text model has no processor.
+        with_images = "images" in ctx.data.column_names
+        if with_images and processor_of(ctx.tokenizer) is None:
+            raise ftcore.FtcoreError("evaluator 'answer_length': the rows hold images, and the model is a text "
+                                     "model (no processor)")
+        template = image_template(ctx.template) if with_images else ctx.template
+        prompts, references, images = [], [], []
         for row in ctx.data:
             messages = row["messages"]
             if not messages:
@@ -70,27 +90,30 @@ class AnswerLength(Component):
                 prompt, reference = messages[:-1], messages[-1]["content"]
             else:  # a conversation waiting for its answer
                 prompt, reference = messages, None
-            prompts.append(ctx.template.render(prompt, ctx.tokenizer, add_generation_prompt=True))
+            prompts.append(template.render(prompt, ctx.tokenizer, add_generation_prompt=True))
             references.append(reference)
+            images.append(list(row.get("images") or []))
             if self.options.limit and len(prompts) >= self.options.limit:
                 break
         if not prompts:
             raise ftcore.FtcoreError("evaluator 'answer_length': the data has no prompt to answer")
 
         tok, model = ctx.tokenizer, ctx.model
-        stops = stop_token_ids(tok, ctx.template, model)
-        limit = self.options.max_new_tokens
+        stops = stop_token_ids(tok, ctx.template)  # EOS and the template's end of turn, as the built-ins stop
+        limit, size = self.options.max_new_tokens, self.options.batch_size
         device = next(model.parameters()).device
         pad = tok.pad_token_id if tok.pad_token_id is not None else (stops[0] if stops else 0)
-        side, tok.padding_side = tok.padding_side, "left"  # decoder-only models generate at the right edge
         was_training = model.training
         model.eval()
         lengths, stopped, texts = [], [], []
         try:
             with ctx.reporter.progress(f"answer length ({ctx.phase})", len(prompts)) as bar, torch.no_grad():
-                for start in range(0, len(prompts), self.options.batch_size):
-                    batch = tok(prompts[start:start + self.options.batch_size], return_tensors="pt",
-                                padding=True, add_special_tokens=False).to(device)
+                for start in range(0, len(prompts), size):
+                    # Left-padded (decoder-only models generate at the right edge); with images, the
+                    # processor's inputs: the pixels and the image tokens they stand for.
+                    batch = prompt_inputs(tok, prompts[start:start + size],
+                                          images[start:start + size] if with_images else None,
+                                          where="evaluator 'answer_length'").to(device)
                     out = model.generate(**batch, do_sample=False, max_new_tokens=limit,
                                          eos_token_id=stops or None, pad_token_id=pad)
                     for seq in out[:, batch["input_ids"].shape[1]:].tolist():
@@ -102,13 +125,15 @@ class AnswerLength(Component):
                         texts.append(tok.decode(answer, skip_special_tokens=True))
                     bar.advance(len(out))
         finally:
-            tok.padding_side = side
             model.train(was_training)
 
         if ctx.run.is_main:  # under torchrun only rank 0 writes into the run directory
             with (ctx.output_dir / "answers.jsonl").open("w", encoding="utf-8") as fh:
-                for text, n, ok, ref in zip(texts, lengths, stopped, references):
-                    fh.write(json.dumps({"answer": text, "tokens": n, "stopped": ok, "reference": ref}) + "\n")
+                for text, n, ok, ref, refs in zip(texts, lengths, stopped, references, images):
+                    record = {"answer": text, "tokens": n, "stopped": ok, "reference": ref}
+                    if refs:
+                        record["images"] = refs
+                    fh.write(json.dumps(record) + "\n")
         result = {
             "mean_tokens": sum(lengths) / len(lengths),
             "stop_rate": sum(stopped) / len(stopped),
@@ -119,25 +144,6 @@ class AnswerLength(Component):
             counts = [len(tok(r, add_special_tokens=False)["input_ids"]) for r in refs]
             result["mean_reference_tokens"] = sum(counts) / len(counts)
         return result
-
-
-def stop_token_ids(tokenizer, template, model) -> list[int]:
-    """Token ids that end an answer: EOS, the template's end-of-turn tokens, and whatever
-    the model's generation config already stops at."""
-    ids: list[int] = []
-
-    def add(tid):
-        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.unk_token_id and tid not in ids:
-            ids.append(tid)
-
-    add(tokenizer.eos_token_id)
-    for token in getattr(template, "stop_tokens", ()):
-        add(tokenizer.convert_tokens_to_ids(token))
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    for tid in eos if isinstance(eos, (list, tuple)) else [eos]:
-        add(tid)
-    return ids
 
 
 @ftcore.hookimpl

@@ -20,6 +20,14 @@ so torch, torchvision and torchaudio are pinned to the matching 2.11.0 / 0.26.0 
 is PyPI's CUDA build, which runs on the CPU here; ftcore's arm runs on torch 2.13.0 (CPU). The
 versions are printed with the results.
 
+ftcore's arm runs the same way, in a virtual environment of its own made on first use (``--ftcore-venv``,
+default ``~/.cache/ftcore-benchmarks/ftcore``): torch 2.13.0 (CPU) and this checkout installed editable with
+its default dependencies, as ``pip install ftcore`` gives a user. A development environment holds more:
+with the ``distributed`` and ``track`` extras installed, accelerate imports DeepSpeed as a trainer starts
+(``extract_model_from_parallel`` looks for its engine), and DeepSpeed imports MLflow, about 3 s of
+start-up that a run without them does not pay. ``--ftcore-python PATH`` runs the arm in another
+interpreter (``--ftcore-python "$(which python)"``: the current environment).
+
 Each arm runs in a process of its own, the arms alternating (``--rounds`` pairs). Measured the same
 way in both, by a transformers callback installed in the process (``_bench.StepRecorder``): train
 tokens/s (real tokens the model's forward saw, steps after the first ``--warmup``), the loss at steps
@@ -99,6 +107,21 @@ def peer_python(venv: Path) -> Path:
     print(f"installing {PEER} into {venv} (once; several GB) ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", PEER, *PEER_PINS], check=True)
+    subprocess.run(check, check=True)
+    return python
+
+
+def ftcore_python(venv: Path) -> Path:
+    """ftcore as a user installs it (default dependencies, torch 2.13.0 CPU first), this checkout
+    editable, in its own venv, made on first use."""
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import ftcore_plugins, peft, trl"]
+    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    print(f"installing ftcore (default dependencies) into {venv} (once) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", str(ROOT)], check=True)
     subprocess.run(check, check=True)
     return python
 
@@ -192,6 +215,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of each run")
     parser.add_argument("--packing", action="store_true", help="pack on both sides")
     parser.add_argument("--venv", type=Path, default=Path.home() / ".cache" / "ftcore-benchmarks" / "llamafactory")
+    parser.add_argument("--ftcore-venv", type=Path, default=Path.home() / ".cache" / "ftcore-benchmarks" / "ftcore",
+                        help="ftcore's arm's venv (default dependencies; made on first use)")
+    parser.add_argument("--ftcore-python", type=Path, help="run ftcore's arm in this interpreter instead")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--tiny", action="store_true",
                         help="the test's mode: ftcore's arm of the job alone, 3 steps (no peer installed)")
@@ -208,6 +234,11 @@ def main() -> None:
     from _bench import machine
 
     python = peer_python(args.venv)
+    ours = args.ftcore_python or ftcore_python(args.ftcore_venv)
+    ours_version = subprocess.run([ours, "-c", "import importlib.metadata as m, sys; print(', '.join("
+                                   "f'{d} {m.version(d)}' for d in ('torch', 'transformers', 'peft', 'trl')), "
+                                   "'; DeepSpeed installed:', any(d.metadata['Name'] == 'deepspeed' "
+                                   "for d in m.distributions()))"], capture_output=True, text=True).stdout.strip()
     peer_version = subprocess.run([python, "-c", "import importlib.metadata as m; print(', '.join("
                                    "f'{d} {m.version(d)}' for d in ('llamafactory', 'torch', 'transformers', "
                                    "'peft', 'trl')))"], capture_output=True, text=True).stdout.strip()
@@ -221,7 +252,7 @@ def main() -> None:
                 name = f"{arm}{i}"
                 if arm == "ftcore":
                     spec = {"plan": str(ftcore_plan(work, model, args, name)), "warmup": args.warmup}
-                    runs[arm].append(run_arm(arm, Path(sys.executable), spec, work, name))
+                    runs[arm].append(run_arm(arm, ours, spec, work, name))
                 else:
                     spec = {"config": peer_config(work, model, args, name), "warmup": args.warmup}
                     runs[arm].append(run_arm(arm, python, spec, work, name))
@@ -229,7 +260,7 @@ def main() -> None:
                       f"{runs[arm][-1]['wall_s']:.1f} s wall", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    report(runs, args, peer_version, machine())
+    report(runs, args, peer_version, machine(), ours_version)
 
 
 def tiny(args) -> None:
@@ -246,13 +277,14 @@ def tiny(args) -> None:
     print(json.dumps(result))
 
 
-def report(runs: dict[str, list[dict]], args, peer_version: str, where: str) -> None:
+def report(runs: dict[str, list[dict]], args, peer_version: str, where: str, ours_version: str) -> None:
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in
                  ("tokens_per_s", "peak_rss_mib", "wall_s", "startup_s", "cpu_s")} for arm, rs in runs.items()}
     same = runs["ftcore"][0]["real_per_step"] == runs["llamafactory"][0]["real_per_step"]
     gaps = [abs(runs["ftcore"][0]["losses"][s] - runs["llamafactory"][0]["losses"][s])
             for s in runs["ftcore"][0]["losses"] if s in runs["llamafactory"][0]["losses"]]
     print(f"machine: {where}")
+    print(f"ftcore: {ours_version}")
     print(f"peer: {peer_version}")
     print(f"job: {args.steps} steps, batch 4, max_length 512, LoRA r=16 all linear, fp32, "
           f"{'packing on both sides' if args.packing else 'no packing'}; {args.rounds} alternating pairs; "
@@ -275,7 +307,8 @@ def report(runs: dict[str, list[dict]], args, peer_version: str, where: str) -> 
     print()
     print(f"tokens/s ratio per pair: {', '.join(f'{r:.2f}' for r in ratios)}")
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "median": med, "same_tokens": same, "peer": peer_version}))
+        args.json.write_text(json.dumps({"runs": runs, "median": med, "same_tokens": same, "peer": peer_version,
+                                         "ftcore": ours_version}))
 
 
 if __name__ == "__main__":

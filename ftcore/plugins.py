@@ -197,8 +197,10 @@ def get_plugin_manager(
 
     if entry_points:
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist else "?"
-            version = ep.dist.version if ep.dist else "?"
+            # A distribution without a name is one whose metadata is being written or is broken (a pip
+            # install running beside this process): named "?" rather than failing every command.
+            dist = (ep.dist.name if ep.dist else None) or "?"
+            version = (ep.dist.version if ep.dist else None) or "?"
             names = {ep.name, dist, _normalize(dist)}
             if allow is not None and not names & allow:
                 continue

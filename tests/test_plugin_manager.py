@@ -466,3 +466,15 @@ def test_example_trainer_swaps_in_by_one_name_and_trains(tmp_path):
     before = json.loads((run_dir / "evaluations" / "before.json").read_text())["perplexity"]["perplexity"]
     after = json.loads((run_dir / "evaluations" / "after.json").read_text())["perplexity"]["perplexity"]
     assert after < before / 2, (before, after)
+
+
+def test_a_distribution_whose_metadata_has_no_name_does_not_break_commands(tmp_path):
+    """A dist-info whose METADATA is empty (pip writing it beside a running command, or a broken install)
+    declares an entry point of no named distribution: its plugin loads under "?", and commands run."""
+    site = tmp_path / "site"
+    add_dist(site, "half-written", {"half_written": component_module("register_evaluators", "Half", "half",
+                                                                     "evaluate")}, {"half": "half_written"})
+    (site / "half_written-1.0.dist-info" / "METADATA").write_text("")
+    r = ftcore_cli("plugins", cwd=tmp_path, site=site)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "half" in r.stdout

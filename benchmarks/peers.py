@@ -98,32 +98,30 @@ def child(arm: str, spec: dict) -> None:
 
 
 # -- setup ------------------------------------------------------------------------------------------
-def peer_python(venv: Path) -> Path:
-    """LLaMA-Factory's venv, made on first use."""
+def venv_python(venv: Path, check: str, what: str, *installs: list[str]) -> Path:
+    """The python of ``venv``, made on first use: a venv, then each ``pip install`` of ``installs`` in turn,
+    until ``check`` (Python source) runs there."""
     python = venv / "bin" / "python"
-    check = [str(python), "-c", "import llamafactory.train.tuner"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
+    checked = [str(python), "-c", check]
+    if python.exists() and subprocess.run(checked, capture_output=True).returncode == 0:
         return python
-    print(f"installing {PEER} into {venv} (once; several GB) ...", flush=True)
+    print(f"installing {what} into {venv} (once) ...", flush=True)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", PEER, *PEER_PINS], check=True)
-    subprocess.run(check, check=True)
+    for packages in installs:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True)
+    subprocess.run(checked, check=True)
     return python
+
+
+def peer_python(venv: Path) -> Path:
+    """LLaMA-Factory's venv (several GB)."""
+    return venv_python(venv, "import llamafactory.train.tuner", PEER, [PEER, *PEER_PINS])
 
 
 def ftcore_python(venv: Path) -> Path:
-    """ftcore as a user installs it (default dependencies, torch 2.13.0 CPU first), this checkout
-    editable, in its own venv, made on first use."""
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", "import ftcore_plugins, peft, trl"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    print(f"installing ftcore (default dependencies) into {venv} (once) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0"], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-e", str(ROOT)], check=True)
-    subprocess.run(check, check=True)
-    return python
+    """ftcore as a user installs it (default dependencies, torch 2.13.0 CPU first), this checkout editable."""
+    return venv_python(venv, "import ftcore_plugins, peft, trl", "ftcore (default dependencies)",
+                       ["torch==2.13.0"], ["-e", str(ROOT)])
 
 
 def build_model(folder: Path) -> None:

@@ -313,17 +313,9 @@ def llama3():
 def r7b(kind: str, thinking: str, tokenizer):
     """(template, tokenizer) as a plan makes them: [template] use = "jinja" with the file, or "native" with
     the file as the tokenizer's own chat template; chat_template_kwargs for thinking on."""
-    import copy
+    from test_template_conformance import template_for
 
-    from ftcore_plugins.templates.jinja import JinjaFileTemplate
-    from ftcore_plugins.templates.native import NativeTemplate
-
-    if kind == "jinja":
-        return JinjaFileTemplate(JinjaFileTemplate.Options(path=str(R7B), chat_template_kwargs=THINKING[thinking])), \
-            tokenizer
-    own = copy.copy(tokenizer)
-    own.chat_template = R7B.read_text(encoding="utf-8")
-    return NativeTemplate(NativeTemplate.Options(chat_template_kwargs=THINKING[thinking])), own
+    return template_for(kind, R7B, tokenizer, chat_template_kwargs=THINKING[thinking])
 
 
 @needs_r7b

@@ -129,18 +129,19 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(SHARED / "tokenizers" / "qwen3")
 
 
-def template_for(kind: str, path: Path, tokenizer):
+def template_for(kind: str, path: Path, tokenizer, **options):
     """(template component, tokenizer) as a plan would make them: [template] use = "jinja" with the
-    file, or "native" with the file as the tokenizer's own chat template."""
+    file, or "native" with the file as the tokenizer's own chat template; ``options``: the template's
+    other options (``chat_template_kwargs``)."""
     from ftcore_plugins.templates.jinja import JinjaFileTemplate
     from ftcore_plugins.templates.native import NativeTemplate
 
     if kind == "jinja":
-        return JinjaFileTemplate(JinjaFileTemplate.Options(path=str(path))), tokenizer
+        return JinjaFileTemplate(JinjaFileTemplate.Options(path=str(path), **options)), tokenizer
     if path not in _OWN:  # a deep copy of a 151k-token tokenizer takes a while: one per template
         _OWN[path] = copy.deepcopy(tokenizer)
         _OWN[path].chat_template = path.read_text(encoding="utf-8")
-    return NativeTemplate(), _OWN[path]
+    return NativeTemplate(NativeTemplate.Options(**options)), _OWN[path]
 
 
 _OWN: dict[Path, object] = {}

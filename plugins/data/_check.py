@@ -28,26 +28,14 @@ from typing import Any, TextIO
 
 from ftcore.context import DataContext, RunInfo
 from ftcore.errors import FtcoreError
-from ftcore.reporter import Reporter
 
 from ftcore_plugins.common import formats as F
+from ftcore_plugins.common.run_data import Silent
 from ftcore_plugins.data._source import RowSource, Unit, _base, _one_line, _quiet_datasets, placeholder_warning
 
 RENDERED_KINDS = ("chat", "completion", "text")  # what row_samples turns into samples
 BATCH = 1000
 
-
-class _Quiet(Reporter):
-    """The sources' and loaders' own messages are not this command's output."""
-
-    def __init__(self) -> None:
-        super().__init__(None, None, None, None)
-
-    def info(self, message: str) -> None:
-        pass
-
-    def warn(self, message: str) -> None:
-        pass
 
 
 @dataclass
@@ -151,7 +139,7 @@ def plan_tokenizer(plan: Any, load_data: Any) -> tuple[Any, str | None]:
     elif getattr(o, "tokenizer_data", None) and hasattr(loader, "_train_tokenizer"):
         # A scratch model trains its tokenizer on the plan's data: train it here the same way.
         try:
-            tokenizer = loader._train_tokenizer(SimpleNamespace(data=load_data, reporter=_Quiet()))
+            tokenizer = loader._train_tokenizer(SimpleNamespace(data=load_data, reporter=Silent()))
         except FtcoreError as exc:
             return None, f"rows not rendered: the tokenizer is trained on data that does not load ({exc})"
     else:
@@ -181,7 +169,7 @@ def check_plan_data(plan: Any, out: TextIO | None = None) -> int:
     if not names and not evaluated:
         print("data: no stage or evaluation uses data; nothing to check", file=report.out)
         return 0
-    reporter = _Quiet()
+    reporter = Silent()
     run = RunInfo(plan, plan.run_dir)
     loaded: dict[str, Any] = {}
     sources: dict[str, Any] = {}  # name -> the component loaded, for its data report
@@ -291,7 +279,7 @@ def _prepare_stages(plan: Any, report: Report) -> None:
     from ftcore_plugins.common.run_data import data_context, data_tokenizer
 
     runner = Runner(plan, get_plugin_manager(), None)
-    runner.reporter = runner.info.reporter = _Quiet()
+    runner.reporter = runner.info.reporter = Silent()
     loader = plan.model.create()
     if not (hasattr(loader, "load_tokenizer") and hasattr(loader, "meta_model")):
         report.notes.append(f"stages' data not prepared: model '{plan.model.name}' cannot give its tokenizer "

@@ -33,7 +33,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # packages that tests pip-install into (and remove from) the one shared environment. Each group runs in
 # one worker; every other test goes wherever a worker is free. (xdist's own `xdist_group` marks do not
 # reach its scheduler under pytest 9.2, so the scheduling is ours.)
-_SERIAL_GROUPS = {"test_distributed.py": "torchrun",
+_SERIAL_GROUPS = {"test_distributed.py": "torchrun", "test_sequence_parallel.py": "torchrun",
                   **dict.fromkeys(("test_plugin_kit.py", "test_grpo.py", "test_plugin_manager.py",
                                    "test_example_trainer.py", "test_commands.py", "test_report.py"), "site-packages")}
 

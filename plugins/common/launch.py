@@ -29,6 +29,19 @@ LAUNCH_DIR = "FTCORE_LAUNCH_DIR"
 WORKER = "ftcore_plugins.common.launch"  # what each worker runs: `ftcore`, its exit code recorded
 ENGINE_KEYS = {"deepspeed": ("zero_stage", "offload_optimizer", "deepspeed_config"),
                "fsdp": ("fsdp_sharding", "fsdp_wrap")}
+# The engine each axis runs on, as accelerate builds it, and why.
+AXIS_ENGINES = (("sp_size", "deepspeed", "sequence parallelism is DeepSpeed's Ulysses (accelerate's only sp_backend)"),
+                ("cp_size", "fsdp", "context parallelism is torch's, on FSDP2 (accelerate's only cp_backend)"))
+# Layer types (transformers' ``layer_types``) that carry a state along the row: linear attention, Mamba,
+# short convolutions, Falcon-H1's hybrid layers (Mamba beside attention).
+RECURRENT_LAYERS = ("linear", "mamba", "conv", "hybrid", "recurrent", "ssm", "rwkv")
+# The attention kernels accelerate refuses to wrap in Ulysses (DeepSpeedSequenceParallelConfig).
+ULYSSES_REFUSES = ("eager", "flex_attention")
+PIPELINE_WHY = ("pipeline parallelism is not supported: transformers' Trainer, which every ftcore trainer runs on, "
+                "has no pipeline schedule; to fit the weights use zero_stage = 3 or engine = \"fsdp\", to fit "
+                "long rows sp_size, to split each layer tp_size (docs/distributed.md)")
+# Exit codes of a rank stopped by a signal (the launcher's SIGTERM when another rank failed, a Ctrl-C).
+STOPPED = (130, 143)
 # FSDP2 (the only FSDP transformers 5 keeps) shards fully or keeps parameters gathered between
 # forward and backward; FSDP1's hybrid and no-shard strategies are gone.
 FSDP2_SHARDING = {"full_shard": True, "shard_grad_op": False}
@@ -56,10 +69,26 @@ class Distributed(BaseModel):
     deepspeed_config: InputPath | None = None  # a DeepSpeed JSON, passed to transformers as it is
     accelerate_config: InputPath | None = None  # an accelerate config: launched with `accelerate launch`
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl with CUDA, gloo on CPU
+    # Axes beside data parallelism (docs/distributed.md): each row is split across sp_size processes
+    # (DeepSpeed's Ulysses), or across cp_size (torch's context parallel on FSDP2); each layer's weights
+    # across tp_size (transformers' tp_plan). The processes left over run data parallel.
+    sp_size: int = Field(1, ge=1)
+    cp_size: int = Field(1, ge=1)
+    tp_size: int = Field(1, ge=1)
+    pp_size: int = Field(1, ge=1)  # refused above 1 (PIPELINE_WHY), kept so the plan gets the reason
 
     @property
     def processes(self) -> int:
         return self.nproc_per_node * self.nnodes
+
+    @property
+    def model_parallel(self) -> int:
+        """Processes that share one batch (the product of the axes); the rest run data parallel."""
+        return self.sp_size * self.cp_size * self.tp_size
+
+    @property
+    def data_parallel(self) -> int:
+        return max(1, self.processes // self.model_parallel)
 
     @property
     def wanted(self) -> bool:
@@ -97,10 +126,55 @@ class Distributed(BaseModel):
         if self.accelerate_config is not None:
             out += [f"{key}: the accelerate_config decides it; remove it here"
                     for key in ("engine", "nproc_per_node", "backend") if key in chosen]
+        out += self.axis_problems()
         if plan is not None and self.engine in ("fsdp", "deepspeed") and self.wanted \
                 and plan.quantizer.name != "none":
             out.append(f"engine: \"{self.engine}\" does not shard quantized weights; use engine = \"ddp\" with "
                        f"quantizer '{plan.quantizer.name}'")
+        return out
+
+    def axis_problems(self) -> list[str]:
+        """The sequence, context, tensor and pipeline axes against the processes and the engine."""
+        out = [f"pp_size: {PIPELINE_WHY}"] if self.pp_size > 1 else []
+        if self.sp_size > 1 and self.cp_size > 1:  # what else is wrong depends on which one stays
+            return [*out, "cp_size: sequence parallelism (sp_size) and context parallelism (cp_size) both split "
+                          "the rows; accelerate runs one of them at a time, so keep one above 1"]
+        for key, engine, why in AXIS_ENGINES:
+            if getattr(self, key) > 1 and self.engine != engine:
+                out.append(f"{key}: {why}; set engine = \"{engine}\" (engine is \"{self.engine}\")")
+        if self.accelerate_config is None and self.processes % self.model_parallel:
+            axes = " x ".join(f"{k} {getattr(self, k)}" for k in ("sp_size", "cp_size", "tp_size")
+                              if getattr(self, k) > 1)
+            out.append(f"nproc_per_node: {self.processes} process(es) cannot be split into groups of {axes} = "
+                       f"{self.model_parallel}; use a multiple of {self.model_parallel}")
+        return out
+
+    def model_problems(self, config: dict[str, Any], attention: str | None = None) -> list[str]:
+        """Why the model (its ``config.json`` as a dict, and the plan's ``attn_implementation``) cannot be
+        split ``sp_size`` ways by Ulysses: its heads (the all-to-all hands each process whole heads),
+        recurrent layers (a state that runs along the row), or an attention kernel Ulysses does not wrap.
+        Each message starts with its key."""
+        size = self.sp_size if self.processes > 1 else 1
+        if size == 1:
+            return []
+        out = []
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and heads % size:
+            out.append(f"sp_size: the model's {heads} attention heads do not divide by {size} (Ulysses gives each "
+                       f"process whole heads); use an sp_size that divides {heads}")
+        elif isinstance(kv, int) and kv % size and size % kv:
+            out.append(f"sp_size: the model's {kv} key/value heads and {size} do not divide one another (Ulysses "
+                       f"splits or copies whole key/value heads); use a divisor or a multiple of {kv}")
+        layers = config.get("layer_types") or config.get("layers_block_type") or []
+        recurrent = sorted({t for t in layers if any(word in t for word in RECURRENT_LAYERS)})
+        if recurrent:
+            out.append(f"sp_size: the model's {', '.join(recurrent)} layers carry a state along the row, which "
+                       "a slice of the row cannot start without (each process would restart it from zero, and the "
+                       "gradients would be wrong without an error); set sp_size = 1")
+        if attention in ULYSSES_REFUSES:
+            out.append(f"sp_size: attention \"{attention}\" is not one Ulysses wraps (accelerate refuses it); "
+                       "use attn_implementation = \"sdpa\" or a flash attention kernel")
         return out
 
     def resolved_backend(self) -> str:
@@ -163,6 +237,15 @@ def _collect(folder: Path, launcher_code: int, ranks: range) -> int:
     # A rank that left no exit code crashed (the launcher then stopped the others): show its stderr.
     # Rank 0 printed its own error on the console.
     crashed = [r for r in ranks if r not in codes]
+    # A rank above 0 that failed on its own (its error went to its log) while rank 0 was stopped for it.
+    alone = [r for r in failed if r > 0 and codes[r] not in STOPPED and codes.get(0, 0) in (0, *STOPPED)]
+    for rank in alone[:1]:
+        log = folder / f"rank-{rank}.log"
+        errors = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("error:")] \
+            if log.exists() else []
+        if errors:
+            print(f"rank {rank}: {errors[-1]}", file=sys.stderr)
+            return codes[rank]
     for rank in crashed:
         log = folder / f"rank-{rank}.log"
         tail = log.read_text(errors="replace").strip().splitlines()[-15:] if log.exists() else []

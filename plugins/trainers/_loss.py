@@ -251,21 +251,28 @@ def add_chunked_head(model: Any, *, entropy: bool, liger: bool = False, chunk: i
         fused = LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=softcap, return_token_accuracy=True)
 
     @functools.wraps(type(base).forward)  # generate() checks its kwargs against the signature
-    def forward(self, *args, chunked_loss=False, labels=None, **kwargs):
+    def forward(self, *args, chunked_loss=False, labels=None, shift_labels=None, **kwargs):
         if not chunked_loss:
             if labels is not None:
                 kwargs["labels"] = labels
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
             return original(*args, **kwargs)
         kwargs["use_cache"] = False
         hidden = getattr(self, prefix)(*args, **kwargs).last_hidden_state
         head = self.get_output_embeddings()
-        targets = labels[:, 1:].to(head.weight.device)
+        # Sequence parallelism hands each process a slice of the row with its labels already shifted
+        # (``shift_labels``): every position of the slice predicts one of them.
+        if shift_labels is None:
+            targets, hidden = labels[:, 1:].to(head.weight.device), hidden[:, :-1]
+        else:
+            targets = shift_labels.to(head.weight.device)
         mask = targets != -100
         # Only the trained positions are projected: prompts and padding cost no logits. Their indices are
         # found once (a host sync: the count decides the shapes); indexing by them needs none, nor does
         # its backward.
         where = mask.flatten().nonzero().squeeze(1)
-        trained = hidden[:, :-1].to(head.weight.device).flatten(0, 1).index_select(0, where)
+        trained = hidden.to(head.weight.device).flatten(0, 1).index_select(0, where)
         wanted = targets.flatten().index_select(0, where)
         if liger and wanted.numel():  # no trained position: Liger divides by their count, the chunked loss gives 0
             out = fused(head.weight, trained, wanted, head.bias)
@@ -300,9 +307,10 @@ def _output_class() -> type:
 
 def across_ranks(trainer: Any, loss: Any, num_items_in_batch: Any) -> Any:
     """As TRL's loss: ``num_items_in_batch`` counts every rank's tokens, and DDP averages the
-    gradients over ranks, so a loss divided by it is scaled back up by the number of ranks."""
+    gradients over ranks, so a loss divided by it is scaled back up by the number of ranks that average:
+    the data-parallel ones (ranks that share a row under sequence parallelism add their gradients up)."""
     if trainer.args.average_tokens_across_devices and num_items_in_batch is not None:
-        return loss * (trainer.accelerator.num_processes // trainer.get_tp_size())
+        return loss * (trainer.accelerator.num_processes // trainer.get_tp_size() // trainer.get_sp_size())
     return loss
 
 
@@ -357,17 +365,28 @@ def with_chunked_loss(trainer_cls: type, *, entropy: bool, liger: bool = False, 
     :func:`chunked_cross_entropy` (or Liger's, with ``liger``) through :func:`add_chunked_head`."""
     import torch
 
+    from ftcore_plugins.trainers import _sequence_parallel as sequence_parallel
+
     class ChunkedLossTrainer(trainer_cls):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             add_chunked_head(self.model, entropy=entropy, liger=liger, chunk=chunk)
 
+        def _get_num_items_in_batch(self, batch_samples, device):
+            if sequence_parallel.enabled(self):
+                return sequence_parallel.trained_tokens(self, batch_samples, device)
+            return super()._get_num_items_in_batch(batch_samples, device)
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             mode = "train" if self.model.training else "eval"
+            if sequence_parallel.enabled(self) and self.model.training:
+                inputs = sequence_parallel.contiguous(inputs)
             out = model(**inputs, use_cache=False, chunked_loss=True)
             items = out.tokens.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
             loss = out.loss / items
             loss = across_ranks(self, loss, num_items_in_batch)
+            if sequence_parallel.enabled(self) and self.model.training:
+                loss = sequence_parallel.whole_row_loss(loss)
             record_token_metrics(self, mode, inputs, out.tokens, out.correct, out.entropy)
             if return_outputs:  # logits asked for (compute_metrics): one more forward pass, as TRL does
                 with torch.no_grad():

@@ -18,6 +18,7 @@ from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
 from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
 from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem
 from ftcore_plugins.trainers._router import OPTION as ROUTER_AUX, apply_router_aux, router_problems
+from ftcore_plugins.trainers._sequence_parallel import plan_problems as sequence_parallel_problems
 
 
 class TrainOptions(Options):
@@ -83,6 +84,7 @@ def training_problems(component: Any, plan: Any) -> list[str]:
     if o.precision == "fp16" and not gpu_visible():
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
     problems += router_problems(component, plan)
+    problems += sequence_parallel_problems(component, plan)
     for stage in stages:
         problem = optimizer_problem(o.optimizer, adapter=stage.adapter.name)
         if problem and problem not in problems:
@@ -204,7 +206,7 @@ def training_arguments(ctx: Any, o: TrainOptions, evaluation: Any | None) -> dic
         disable_tqdm=True,
         seed=ctx.seed,
         dataloader_pin_memory=torch.cuda.is_available(),
-        **distributed_arguments(ctx.run),
+        **distributed_arguments(ctx.run, ctx.model),
     )
 
 
@@ -219,8 +221,9 @@ def checkpointing_arguments(o: TrainOptions) -> dict[str, Any]:
     return {"activation_checkpointing": o.gradient_checkpointing}
 
 
-def distributed_arguments(run: Any) -> dict[str, Any]:
-    """TrainingArguments for the plan's ``[distributed]`` engine when the run has several processes."""
+def distributed_arguments(run: Any, model: Any = None) -> dict[str, Any]:
+    """TrainingArguments for the plan's ``[distributed]`` engine when the run has several processes, and
+    its sequence-parallel axis (Ulysses, on ``model``'s attention kernel)."""
     d = getattr(run.plan, "distributed", None)
     if run.world_size == 1 or d is None or d.accelerate_config is not None:
         return {}  # an accelerate config: `accelerate launch` passed its engine to the workers' environment
@@ -234,6 +237,10 @@ def distributed_arguments(run: Any) -> dict[str, Any]:
         if not torch.cuda.is_available():
             _deepspeed_state_on_cpu(args["ddp_backend"])
             args["accelerator_config"] = {"use_configured_state": True}
+        if d.sp_size > 1:
+            from ftcore_plugins.trainers._sequence_parallel import parallelism_config
+
+            args["parallelism_config"] = parallelism_config(d.sp_size, model)
     elif d.engine == "fsdp":
         from ftcore_plugins.common.launch import FSDP2_SHARDING
 
@@ -476,8 +483,15 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     ``SFTConfig`` fields and ``trainer_kwargs`` go to the trainer, as in :func:`run_trainer`."""
     from trl import SFTConfig, SFTTrainer
 
+    from ftcore_plugins.trainers._sequence_parallel import sp_size
+
+    # Sequence parallelism gives each process an equal slice of every row's columns. Its dataloader gathers
+    # every process's batch, which gloo does only for batches of one shape: on it, rows are padded to max_length.
+    size = sp_size(ctx.run.plan)
+    columns = {} if size == 1 else {"pad_to_multiple_of": size if ctx.run.plan.distributed.resolved_backend()
+                                    != "gloo" or not o.max_length else o.max_length}
     _, metrics = run_trainer(ctx, o, trainer_cls or SFTTrainer, SFTConfig, train=train, evaluation=evaluation,
-                             config={"max_length": o.max_length, "packing": packing,
+                             config={"max_length": o.max_length, "packing": packing, **columns,
                                      "packing_strategy": packing_strategy, "dataset_num_proc": None, **(config or {})},
                              **trainer_kwargs)
     return metrics

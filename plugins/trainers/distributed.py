@@ -29,7 +29,19 @@ class DistributedSection(PlanSection):
         return self.options or Distributed()
 
     def check(self, plan: Any) -> list[str]:
-        return self.value.problems(plan)
+        d = self.value
+        problems = d.problems(plan)
+        if d.sp_size > 1 and not problems:
+            from ftcore_plugins.trainers._hybrid import model_config
+
+            options = plan.model.options
+            config = dict(model_config(plan) or {})
+            # The scratch loader's own keys for what a config.json names otherwise.
+            for key, own in (("num_attention_heads", "num_heads"), ("num_key_value_heads", "num_kv_heads")):
+                if config.get(key) is None and getattr(options, own, None) is not None:
+                    config[key] = getattr(options, own)
+            problems += d.model_problems(config, getattr(options, "attn_implementation", None))
+        return problems
 
     def launch(self, plan: Any, argv: list[str]) -> int | None:
         from ftcore_plugins.common import launch

@@ -1,0 +1,182 @@
+"""Sequence parallelism (``[distributed] sp_size``, DeepSpeed's Ulysses through accelerate): the plans it
+refuses, each in one line before anything loads, and real 2-process CPU runs (gloo) against one process.
+
+Parity: under sequence parallelism both processes work on the same rows, a slice of each row's columns
+each, so the 2-process run has the 1-process run's batch size, and its per-step losses and trained weights
+must match. SGD keeps the comparison sharp (as in test_distributed.py). A run whose slices get the wrong
+positions (each slice counted from 0, the mistake Ulysses' dataloader guards against) must not match:
+that is what shows the comparison can fail."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import SHARED, TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
+
+SP = '\n[distributed]\nengine = "deepspeed"\nnproc_per_node = 2\nsp_size = 2\n'
+STAGE = """
+[[stage]]
+name = "sft"
+trainer = "{trainer}"
+data = "{data}"
+adapter = {{ use = "lora", r = 8 }}
+max_steps = 10
+max_length = {length}
+batch_size = 4
+learning_rate = 0.5
+optimizer = "sgd"
+logging_steps = 1
+precision = "fp32"
+{extra}"""
+# Two layers of four heads (two key/value heads): Ulysses hands each process two heads of each.
+HEADER = TINY_HEADER.replace("num_layers = 1", "num_layers = 2").replace("num_heads = 2", "num_heads = 4")
+
+
+def write_plan(folder: Path, name: str, distributed: str = "", *, trainer: str = "sft", length: int = 64,
+               extra: str = "", header: str = HEADER, data: str = "chat") -> Path:
+    if not (folder / "chat.jsonl").exists():
+        # Answers of some 40 tokens after a short question: each process's slice of a row has trained tokens.
+        # 40 rows: 10 full batches of 4 (no partial last batch, which accelerate fills from the epoch's start).
+        rows = [{"messages": [q["messages"][0], {"role": "assistant", "content": t["text"]}]}
+                for q, t in zip(chat_rows(40), text_rows(40))]
+        write_jsonl(folder / "text.jsonl", text_rows(40))
+        write_jsonl(folder / "chat.jsonl", rows)
+        write_jsonl(folder / "chat_eval.jsonl", chat_rows(8))
+        write_jsonl(folder / "pairs.jsonl", [{"prompt": "Which word is an animal?", "chosen": "cat", "rejected": "red"}] * 8)
+    if data == "pairs":
+        header += '\n[data.pairs]\nuse = "jsonl"\npath = "pairs.jsonl"\n'
+    path = folder / f"{name}.toml"
+    path.write_text(header.replace('name = "tiny"', f'name = "{name}"')
+                    + STAGE.format(trainer=trainer, length=length, extra=extra, data=data) + distributed, encoding="utf-8")
+    return path
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+# Each class of plan that sequence parallelism cannot run: (what the plan changes, what the line says).
+REFUSED = {
+    "pipeline": (dict(distributed=SP + "pp_size = 2\n"), "distributed.pp_size: pipeline parallelism is not supported"),
+    "engine": (dict(distributed=SP.replace("deepspeed", "ddp")), "distributed.sp_size: sequence parallelism is "
+                                                                   "DeepSpeed's Ulysses"),
+    "processes": (dict(distributed=SP.replace("nproc_per_node = 2", "nproc_per_node = 3")),
+                  "distributed.nproc_per_node: 3 process(es) cannot be split into groups of sp_size 2"),
+    "with context parallel": (dict(distributed=SP + "cp_size = 2\n"), "distributed.cp_size: sequence parallelism"),
+    "trainer": (dict(distributed=SP, trainer="orpo", data="pairs"), "trainer 'orpo' scores whole rows"),
+    "length": (dict(distributed=SP, length=63), "max_length: 63 is not divisible by sp_size = 2"),
+    "packing": (dict(distributed=SP, extra="packing = true\n"), "packing: packed samples must be kept apart"),
+    "loss": (dict(distributed=SP, extra='loss_kernel = "full"\n'), "loss_kernel: \"full\" needs a whole row's logits"),
+    "heads": (dict(distributed=SP, header=HEADER.replace("hidden_size = 32", "hidden_size = 48")
+                   .replace("num_heads = 4", "num_heads = 3")), "distributed.sp_size: the model's 3 attention heads"),
+    "attention": (dict(distributed=SP, header=HEADER.replace('use = "scratch"', 'use = "scratch"\n'
+                                                             'attn_implementation = "eager"')),
+                  "distributed.sp_size: attention \"eager\" is not one Ulysses wraps"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_plans_sequence_parallelism_cannot_run_are_refused_in_one_line(case, tmp_path):
+    change, expected = REFUSED[case]
+    plan = write_plan(tmp_path, case.replace(" ", "-"), **change)
+    line = one_line(run_cli("validate", str(plan)))
+    assert expected in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_recurrent_model_is_refused(tmp_path):
+    """Layers that carry a state along the row (LFM2's short convolutions here) cannot take a slice of it."""
+    folder = SHARED / "tokenizers" / "qwen25"
+    if not folder.exists():
+        pytest.skip("../shared/fixtures/tokenizers/qwen25 not present")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.for_model("lfm2", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=64, layer_types=["conv", "full_attention"],
+                                  vocab_size=151936)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "base")
+    AutoTokenizer.from_pretrained(folder).save_pretrained(tmp_path / "base")
+    header = textwrap.dedent("""
+        [run]
+        name = "tiny"
+
+        [model]
+        use = "hf"
+        path = "base"
+
+        [template]
+        use = "native"
+
+        [data.chat]
+        use = "jsonl"
+        path = "chat.jsonl"
+        """)
+    line = one_line(run_cli("validate", str(write_plan(tmp_path, "lfm2", SP, header=header))))
+    assert "distributed.sp_size: the model's conv layers carry a state along the row" in line, line
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["stage"] == "sft" and "loss" in r}
+
+
+def adapter_difference(run_dir: Path, reference_dir: Path) -> float:
+    from safetensors.torch import load_file
+
+    name = Path("stages") / "sft" / "output" / "adapter_model.safetensors"
+    weights, reference = load_file(run_dir / name), load_file(reference_dir / name)
+    assert weights.keys() == reference.keys()
+    return max((weights[k] - reference[k]).abs().max().item() for k in weights)
+
+
+# Tighter than the 1e-4 asked of each axis: slices positioned wrong move this tiny random model's losses by
+# about 1e-4 over 10 steps (its attention barely depends on position yet); the right ones stay under 1e-6.
+TOLERANCE = 1e-5
+# What a wrong sharding looks like: each process's slice of a row positioned from 0 instead of where it is.
+WRONG_POSITIONS = """
+from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+_next = ulysses_sp.UlyssesSPDataLoaderAdapter.__next__
+
+def _slices_from_zero(self):
+    batch = _next(self)
+    ids = batch["position_ids"]
+    batch["position_ids"] = ids - ids[..., :1]
+    return batch
+
+ulysses_sp.UlyssesSPDataLoaderAdapter.__next__ = _slices_from_zero
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_sharing_each_row_match_one(tmp_path):
+    single = run_cli("run", str(write_plan(tmp_path, "single")), env={"OMP_NUM_THREADS": "1"})
+    assert single.returncode == 0, single.stderr[-3000:]
+    r = run_cli("run", str(write_plan(tmp_path, "sp", SP)))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    reference, got = losses(tmp_path / "runs" / "single"), losses(tmp_path / "runs" / "sp")
+    assert sorted(got) == sorted(reference) == list(range(1, 11))
+    diff = max(abs(got[s] - reference[s]) for s in reference)
+    weights = adapter_difference(tmp_path / "runs" / "sp", tmp_path / "runs" / "single")
+    print(f"sp_size 2: max loss difference over 10 steps {diff:.3g}, max LoRA weight difference {weights:.3g}")
+    assert diff < TOLERANCE and weights < TOLERANCE
+    assert reference[10] < reference[1] - 0.1  # it trained: the comparison is not between two flat lines
+    assert r.stdout.count("stage sft: trainer 'sft'") == 1
+
+    # The same run with each slice positioned from 0 does not match: the comparison can fail.
+    patch = tmp_path / "wrong"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(WRONG_POSITIONS, encoding="utf-8")
+    r = run_cli("run", str(write_plan(tmp_path, "wrong", SP)), env={"PYTHONPATH": str(patch)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    wrong = losses(tmp_path / "runs" / "wrong")
+    off = max(abs(wrong[s] - reference[s]) for s in reference)
+    print(f"sp_size 2, slices positioned from 0: max loss difference {off:.3g}")
+    assert off > TOLERANCE

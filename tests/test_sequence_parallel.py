@@ -180,3 +180,23 @@ def test_two_processes_sharing_each_row_match_one(tmp_path):
     off = max(abs(wrong[s] - reference[s]) for s in reference)
     print(f"sp_size 2, slices positioned from 0: max loss difference {off:.3g}")
     assert off > TOLERANCE
+
+
+@pytest.mark.slow
+def test_the_long_context_example_runs_as_documented(tmp_path):
+    """examples/long-context, as its one command runs it: two processes share each 2,048-token row, and the
+    loss falls (the example's own 30 steps, here the first 10)."""
+    import shutil
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "examples" / "quickstart" / "data", tmp_path / "quickstart" / "data")
+    shutil.copytree(root / "examples" / "long-context", tmp_path / "long-context", ignore=shutil.ignore_patterns("runs"))
+    plan = tmp_path / "long-context" / "plan.toml"
+    plan.write_text(plan.read_text().replace("max_steps = 30", "max_steps = 10"))
+    r = run_cli("run", str(plan))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "starting 2 process(es) on this node (deepspeed" in r.stderr
+    records = [json.loads(line) for line in (tmp_path / "long-context" / "runs" / "long-context" /
+                                               "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in records if r["stage"] == "pretrain" and "loss" in r}
+    assert sorted(loss) == [5, 10] and loss[10] < loss[5]

@@ -81,6 +81,26 @@ REFUSED = {
 }
 
 
+# The axes that need a GPU, refused on a machine without one with the check that stops each there.
+CUDA_ONLY = {
+    "context parallel": ('\n[distributed]\nengine = "fsdp"\nnproc_per_node = 2\ncp_size = 2\n',
+                         "distributed.cp_size: context parallelism runs on CUDA GPUs only"),
+    "tensor parallel": ('\n[distributed]\nnproc_per_node = 2\ntp_size = 2\n',
+                        "distributed.tp_size: tensor parallelism runs on GPUs only"),
+}
+
+
+@pytest.mark.parametrize("case", list(CUDA_ONLY))
+def test_axes_that_need_a_gpu_are_refused_without_one(case, tmp_path):
+    from ftcore_plugins.common.memory import gpu_visible
+
+    if gpu_visible():
+        pytest.skip("this machine has a GPU")
+    distributed, expected = CUDA_ONLY[case]
+    line = one_line(run_cli("validate", str(write_plan(tmp_path, case.replace(" ", "-"), distributed))))
+    assert expected in line, line
+
+
 @pytest.mark.parametrize("case", list(REFUSED))
 def test_plans_sequence_parallelism_cannot_run_are_refused_in_one_line(case, tmp_path):
     change, expected = REFUSED[case]

@@ -35,6 +35,16 @@ AXIS_ENGINES = (("sp_size", "deepspeed", "sequence parallelism is DeepSpeed's Ul
 # Layer types (transformers' ``layer_types``) that carry a state along the row: linear attention, Mamba,
 # short convolutions, Falcon-H1's hybrid layers (Mamba beside attention).
 RECURRENT_LAYERS = ("linear", "mamba", "conv", "hybrid", "recurrent", "ssm", "rwkv")
+# Axes that run on CUDA GPUs only, and the check that stops each on a CPU (found by running them with 2
+# processes on gloo, 2026-11-29).
+CUDA_ONLY = {
+    "cp_size": "context parallelism runs on CUDA GPUs only: torch's ring attention has kernels for CUDA's "
+               "SDPA backends alone (on a CPU: \"Operator aten._scaled_dot_product_flash_attention_for_cpu."
+               "default does not have a sharding strategy registered\"); use sp_size on a CPU",
+    "tp_size": "tensor parallelism runs on GPUs only: accelerate refuses it for CPU processes (\"ParallelismConfig "
+               "is only compatible DistributedType.FSDP (version 2) or DistributedType.Multi{Device} or "
+               "DistributedType.DEEPSPEED, but got DistributedType.MULTI_CPU\")",
+}
 # The attention kernels accelerate refuses to wrap in Ulysses (DeepSpeedSequenceParallelConfig).
 ULYSSES_REFUSES = ("eager", "flex_attention")
 PIPELINE_WHY = ("pipeline parallelism is not supported: transformers' Trainer, which every ftcore trainer runs on, "
@@ -127,6 +137,9 @@ class Distributed(BaseModel):
             out += [f"{key}: the accelerate_config decides it; remove it here"
                     for key in ("engine", "nproc_per_node", "backend") if key in chosen]
         out += self.axis_problems()
+        if plan is not None and self.tp_size > 1 and self.processes > 1 and plan.quantizer.name != "none":
+            out.append(f"tp_size: tensor parallelism splits full-precision weights; quantizer "
+                       f"'{plan.quantizer.name}' keeps them packed, so use one or the other")
         if plan is not None and self.engine in ("fsdp", "deepspeed") and self.wanted \
                 and plan.quantizer.name != "none":
             out.append(f"engine: \"{self.engine}\" does not shard quantized weights; use engine = \"ddp\" with "
@@ -142,6 +155,14 @@ class Distributed(BaseModel):
         for key, engine, why in AXIS_ENGINES:
             if getattr(self, key) > 1 and self.engine != engine:
                 out.append(f"{key}: {why}; set engine = \"{engine}\" (engine is \"{self.engine}\")")
+        if self.tp_size > 1 and (self.processes != self.tp_size or self.engine != "ddp"):
+            out.append(f"tp_size: tensor parallelism here splits every layer over all the processes (accelerate "
+                       f"runs it beside neither DDP nor DeepSpeed); use nproc_per_node = {self.tp_size} with "
+                       "engine = \"ddp\"")
+        from ftcore_plugins.common.memory import gpu_visible
+
+        if not gpu_visible():  # the libraries' own checks, before a run would reach them
+            out += [f"{key}: {why}" for key, why in CUDA_ONLY.items() if getattr(self, key) > 1]
         if self.accelerate_config is None and self.processes % self.model_parallel:
             axes = " x ".join(f"{k} {getattr(self, k)}" for k in ("sp_size", "cp_size", "tp_size")
                               if getattr(self, k) > 1)
@@ -151,30 +172,41 @@ class Distributed(BaseModel):
 
     def model_problems(self, config: dict[str, Any], attention: str | None = None) -> list[str]:
         """Why the model (its ``config.json`` as a dict, and the plan's ``attn_implementation``) cannot be
-        split ``sp_size`` ways by Ulysses: its heads (the all-to-all hands each process whole heads),
-        recurrent layers (a state that runs along the row), or an attention kernel Ulysses does not wrap.
-        Each message starts with its key."""
-        size = self.sp_size if self.processes > 1 else 1
-        if size == 1:
+        split along the plan's axes: heads that do not divide (Ulysses hands each process whole heads, tensor
+        parallelism whole heads' weights), recurrent layers (a state that runs along the row, which a slice of
+        the row cannot start from), or an attention kernel the axis does not wrap. Keys start each message."""
+        if self.processes == 1:
             return []
         out = []
         heads = config.get("num_attention_heads")
         kv = config.get("num_key_value_heads") or heads
-        if isinstance(heads, int) and heads % size:
-            out.append(f"sp_size: the model's {heads} attention heads do not divide by {size} (Ulysses gives each "
-                       f"process whole heads); use an sp_size that divides {heads}")
-        elif isinstance(kv, int) and kv % size and size % kv:
-            out.append(f"sp_size: the model's {kv} key/value heads and {size} do not divide one another (Ulysses "
-                       f"splits or copies whole key/value heads); use a divisor or a multiple of {kv}")
         layers = config.get("layer_types") or config.get("layers_block_type") or []
         recurrent = sorted({t for t in layers if any(word in t for word in RECURRENT_LAYERS)})
-        if recurrent:
-            out.append(f"sp_size: the model's {', '.join(recurrent)} layers carry a state along the row, which "
-                       "a slice of the row cannot start without (each process would restart it from zero, and the "
-                       "gradients would be wrong without an error); set sp_size = 1")
-        if attention in ULYSSES_REFUSES:
+        for key, size in (("sp_size", self.sp_size), ("tp_size", self.tp_size)):
+            if size == 1 or not isinstance(heads, int):
+                continue
+            if heads % size:
+                out.append(f"{key}: the model's {heads} attention heads do not divide by {size} (each process takes "
+                           f"whole heads); use {key} = a divisor of {heads}")
+            elif isinstance(kv, int) and kv % size and (key == "tp_size" or size % kv):
+                out.append(f"{key}: the model's {kv} key/value heads and {size} do not divide "
+                           f"{'one another' if key == 'sp_size' else 'evenly'} (each process takes whole key/value "
+                           f"heads); use {'a divisor or a multiple' if key == 'sp_size' else 'a divisor'} of {kv}")
+        for key, size in (("sp_size", self.sp_size), ("cp_size", self.cp_size)):
+            if size > 1 and recurrent:
+                out.append(f"{key}: the model's {', '.join(recurrent)} layers carry a state along the row, which a "
+                           "slice of the row cannot start without (each process would restart it from zero, and the "
+                           f"gradients would be wrong without an error); set {key} = 1")
+        if self.sp_size > 1 and attention in ULYSSES_REFUSES:
             out.append(f"sp_size: attention \"{attention}\" is not one Ulysses wraps (accelerate refuses it); "
                        "use attn_implementation = \"sdpa\" or a flash attention kernel")
+        if self.cp_size > 1:
+            if attention not in (None, "sdpa"):
+                out.append(f"cp_size: context parallelism shards SDPA's attention only (transformers refuses "
+                           f"\"{attention}\"); use attn_implementation = \"sdpa\"")
+            if "sliding_attention" in layers or config.get("sliding_window") and config.get("use_sliding_window", True):
+                out.append("cp_size: the model's sliding-window attention is refused by accelerate's context "
+                           "parallelism (its ring attention is causal over the whole row); use sp_size")
         return out
 
     def resolved_backend(self) -> str:

@@ -31,28 +31,40 @@ def sp_size(plan: Any) -> int:
     return d.sp_size if d is not None and d.processes > 1 else 1
 
 
+def row_axis(plan: Any) -> tuple[str, int] | None:
+    """The plan's axis that splits rows across processes (``sp_size``, ``cp_size``) and its size, or None."""
+    d = getattr(plan, "distributed", None)
+    if d is None or d.processes == 1:
+        return None
+    return ("sp_size", d.sp_size) if d.sp_size > 1 else ("cp_size", d.cp_size) if d.cp_size > 1 else None
+
+
 def plan_problems(component: Any, plan: Any) -> list[str]:
-    """``check(plan)`` problems of a trainer under the plan's ``sp_size`` (no import of torch)."""
-    size = sp_size(plan)
-    if size == 1 or not any(s.trainer.options is component.options for s in plan.stages):
+    """``check(plan)`` problems of a trainer whose rows the plan splits across processes (no import of
+    torch): sequence parallelism (``sp_size``) or context parallelism (``cp_size``)."""
+    axis = row_axis(plan)
+    if axis is None or not any(s.trainer.options is component.options for s in plan.stages):
         return []
+    key, size = axis
+    name = f"{'sequence' if key == 'sp_size' else 'context'} parallelism ({key} = {size})"
     o = component.options
     if component.name not in SEQUENCE_PARALLEL_TRAINERS or getattr(component, "compute_loss", None) is not None:
-        return [f"trainer '{component.name}' {'scores whole rows' if component.name not in SEQUENCE_PARALLEL_TRAINERS else 'computes its own loss from whole rows'}, "
-                f"and sequence parallelism (sp_size = {size}) gives each process a slice of a row; it runs with "
-                f"{' or '.join(repr(t) for t in SEQUENCE_PARALLEL_TRAINERS)}, or set sp_size = 1 in [distributed]"]
+        what = "scores whole rows" if component.name not in SEQUENCE_PARALLEL_TRAINERS else \
+            "computes its own loss from whole rows"
+        return [f"trainer '{component.name}' {what}, and {name} gives each process a slice of a row; it runs "
+                f"with {' or '.join(repr(t) for t in SEQUENCE_PARALLEL_TRAINERS)}, or set {key} = 1 in [distributed]"]
     out = []
     length = getattr(o, "max_length", None)
-    if isinstance(length, int) and length % size:
+    if key == "sp_size" and isinstance(length, int) and length % size:
         out.append(f"max_length: {length} is not divisible by sp_size = {size}, and each process takes an equal "
                    f"slice of a row; use a multiple of {size} (e.g. {length - length % size or size})")
     if getattr(o, "packing", False):
-        out.append(f"packing: packed samples must be kept apart inside attention, which Ulysses (sp_size = "
-                   f"{size}) leaves to the attention kernel, and not every kernel does; set packing = false")
+        out.append(f"packing: packed samples must be kept apart inside attention, which {name} leaves to the "
+                   "attention kernel, and not every kernel does; set packing = false")
     kernel = getattr(o, "loss_kernel", "auto")
     if kernel in ("full", "trl"):
-        out.append(f"loss_kernel: \"{kernel}\" needs a whole row's logits, and sequence parallelism (sp_size = "
-                   f"{size}) gives each process a slice; use \"auto\" or \"chunked\"")
+        out.append(f"loss_kernel: \"{kernel}\" needs a whole row's logits, and {name} gives each process a "
+                   "slice; use \"auto\" or \"chunked\"")
     return out
 
 

@@ -245,6 +245,11 @@ def distributed_arguments(run: Any, model: Any = None) -> dict[str, Any]:
         from ftcore_plugins.common.launch import FSDP2_SHARDING
 
         args["fsdp"] = True
+        if d.cp_size > 1:  # torch's context parallel: rows split over cp_size processes, FSDP over all of them
+            from accelerate.parallelism_config import ParallelismConfig
+
+            args["parallelism_config"] = ParallelismConfig(cp_size=d.cp_size, cp_backend="torch",
+                                                           dp_shard_size=d.processes // d.cp_size)
         args["fsdp_config"] = {
             "version": 2, "reshard_after_forward": FSDP2_SHARDING[d.fsdp_sharding], "cpu_offload": d.offload_params,
             # every rank writes its shard (torch.distributed.checkpoint); a full state dict is gathered
@@ -483,11 +488,13 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     ``SFTConfig`` fields and ``trainer_kwargs`` go to the trainer, as in :func:`run_trainer`."""
     from trl import SFTConfig, SFTTrainer
 
-    from ftcore_plugins.trainers._sequence_parallel import sp_size
+    from ftcore_plugins.trainers._sequence_parallel import row_axis
 
     # Sequence parallelism gives each process an equal slice of every row's columns. Its dataloader gathers
     # every process's batch, which gloo does only for batches of one shape: on it, rows are padded to max_length.
-    size = sp_size(ctx.run.plan)
+    # Context parallelism balances each row's slices (head and tail) when it divides by twice cp_size.
+    axis = row_axis(ctx.run.plan)
+    size = 1 if axis is None else axis[1] * (2 if axis[0] == "cp_size" else 1)
     columns = {} if size == 1 else {"pad_to_multiple_of": size if ctx.run.plan.distributed.resolved_backend()
                                     != "gloo" or not o.max_length else o.max_length}
     _, metrics = run_trainer(ctx, o, trainer_cls or SFTTrainer, SFTConfig, train=train, evaluation=evaluation,

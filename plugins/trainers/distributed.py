@@ -31,7 +31,7 @@ class DistributedSection(PlanSection):
     def check(self, plan: Any) -> list[str]:
         d = self.value
         problems = d.problems(plan)
-        if d.sp_size > 1 and not problems:
+        if d.model_parallel > 1 and not problems:
             from ftcore_plugins.trainers._hybrid import model_config
 
             options = plan.model.options

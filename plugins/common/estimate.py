@@ -78,6 +78,9 @@ def hf_meta_model(loader: Any) -> tuple[Any, Any]:
         hint = "" if local else " (not a local folder, and not in the local hub cache; estimate never downloads)"
         raise FtcoreError(f"model.path: cannot read the config of {o.path!r}{hint}: "
                           f"{str(exc).strip().splitlines()[0]}") from None
+    configure = getattr(loader, "configure", None)
+    if configure is not None:  # what the plan changes in the config (hf's rope_scaling), as a run builds it
+        config = configure(config)
     if o.dtype != "auto":
         dtype = getattr(torch, o.dtype)
     else:  # as from_pretrained: the config's dtype, else the checkpoint's, else torch's default

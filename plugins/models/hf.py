@@ -17,6 +17,7 @@ from ftcore_plugins.common.model import _in_hub_cache, _offline, resolve_model_p
 from ftcore_plugins.common.seq2seq import FAMILIES, config_encoder_decoder, model_config
 from ftcore_plugins.models import _checks
 from ftcore_plugins.models._attention import Attention, attention_problem
+from ftcore_plugins.models._rope import RopeScaling, model_problem, scale, transformers_refusal
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 HUB_TIMEOUT_S = 10  # one look-up, no retries: the hub answers, or a run does not wait on it
@@ -37,6 +38,7 @@ class HFModelLoader(Component):
         trust_remote_code: bool = False  # never on unless the plan says so
         attn_implementation: Attention | None = None  # transformers' default (sdpa) when unset
         token: SecretStr | None = None  # hub token; redacted from the manifest
+        rope_scaling: RopeScaling | None = None  # a longer context: { type = "yarn", factor = 4.0 } (_rope.py)
 
         _paths = field_validator("path", "tokenizer")(resolve_model_path)
 
@@ -49,7 +51,19 @@ class HFModelLoader(Component):
         if o.tokenizer and Path(o.tokenizer).is_absolute() and Path(o.tokenizer).exists():
             problem = _checks.tokenizer_folder_problem(Path(o.tokenizer), explicit=True)
             problems += [f"tokenizer: {problem}"] if problem else []
+        if o.rope_scaling is not None:
+            problems += self._rope_problems(model_config(o.path, o.revision))
         return problems
+
+    def _rope_problems(self, config: dict | None) -> list[str]:
+        """``rope_scaling`` against the model's config (a dict; None where none can be read without loading:
+        the load checks it then)."""
+        o = self.options
+        where = Path(o.path) / "config.json" if Path(o.path).is_dir() else f"{o.path}'s config.json"
+        problem = model_problem(config, str(where)) if config is not None else None
+        if problem:
+            return [f"rope_scaling: {problem}"]
+        return [f"rope_scaling.{p}" for p in o.rope_scaling.problems(config)]
 
     def preflight(self, plan) -> list[str]:
         """Before a run makes its folder: what a run needs of the folders beyond ``check()`` (weights, a
@@ -65,6 +79,11 @@ class HFModelLoader(Component):
                 problem = _checks.model_type_problem(config.get("model_type"), o.trust_remote_code,
                                                      "auto_map" in config) or self._encoder_decoder_problem(config)
                 problem = problem and f"{Path(o.path) / 'config.json'}: {problem}"
+            if problem is None and config is not None and o.rope_scaling is not None:
+                loaded = self._local_config(Path(o.path))  # as transformers reads it (older formats converted)
+                rope = self._loaded_rope_problems(loaded) if loaded is not None else []
+                if rope:
+                    return rope
             if problem is None and config is not None:
                 problem = self._config_against_weights(Path(o.path), config)
             problems += [f"path: {problem}"] if problem else []
@@ -92,6 +111,17 @@ class HFModelLoader(Component):
         if getattr(plan, "run_dir", None) is not None:  # a run's plan (not a check's stand-in)
             lend_tokenizer(plan.run_dir, self.options, tokenizer)
         return None
+
+    def _local_config(self, folder: Path) -> Any:
+        """The folder's config as transformers reads it; None where it cannot (``_config_against_weights`` says
+        why)."""
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(folder, trust_remote_code=self.options.trust_remote_code,
+                                              local_files_only=True)
+        except Exception:  # noqa: BLE001 - reported by the meta model's build
+            return None
 
     def _config_against_weights(self, folder: Path, config: dict) -> str | None:
         """Whether transformers builds the model ``config.json`` describes (on the meta device), and its
@@ -183,6 +213,9 @@ class HFModelLoader(Component):
         kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
         if o.attn_implementation:
             kwargs["attn_implementation"] = o.attn_implementation
+        d = getattr(getattr(getattr(ctx, "run", None), "plan", None), "distributed", None)
+        if d is not None and d.tp_size > 1 and d.processes > 1:  # each layer's weights split over the processes
+            kwargs["tp_plan"] = "auto"  # the model's own plan (its config's base_model_tp_plan)
         stored = self._stored_dtype(kwargs)
         if stored is not None:  # read in its own dtype, then raised tensor by tensor (see _upcast)
             kwargs["dtype"] = stored
@@ -192,6 +225,10 @@ class HFModelLoader(Component):
             kwargs["quantization_config"] = keep_vision_unquantized(kwargs["quantization_config"], self.meta_model()[0])
         model_cls = AutoModelForImageTextToText if self.vision() else \
             AutoModelForSeq2SeqLM if self.encoder_decoder(ctx) else AutoModelForCausalLM
+        if o.rope_scaling is not None:  # the weights load into the model with the longer context
+            from transformers import AutoConfig
+
+            kwargs["config"] = self.configure(self._load("path", AutoConfig, o.path, ctx, **self._common()), ctx)
         model = self._load("path", model_cls, o.path, ctx, **self._common(), **kwargs)
         if stored is not None:
             from ftcore_plugins.models._upcast import upcast
@@ -200,6 +237,25 @@ class HFModelLoader(Component):
 
             upcast(model, torch.float32)
         return model, tokenizer
+
+    def configure(self, config: Any, ctx: Any = None) -> Any:
+        """The model's config (a transformers config) as the plan changes it before a model is built from it:
+        its ``rope_scaling`` (``_rope.py``). A model that cannot take that is refused in one line naming the key."""
+        o = self.options
+        if o.rope_scaling is None:
+            return config
+        problems = self._loaded_rope_problems(config)
+        if problems:
+            key, _, message = problems[0].partition(": ")
+            raise self._refusal(ctx, key, message)
+        return scale(config, o.rope_scaling)
+
+    def _loaded_rope_problems(self, config: Any) -> list[str]:
+        """``rope_scaling`` against the config as transformers reads it: what ``check()`` sees in config.json (a
+        hub id's, an older format converted), then what the family's own config check says."""
+        problems = self._rope_problems(config.to_dict())
+        refusal = None if problems else transformers_refusal(config, self.options.rope_scaling)
+        return problems + ([f"rope_scaling: {refusal}"] if refusal else [])
 
     def _stored_dtype(self, kwargs: dict) -> str | None:
         """The checkpoint's own half-precision dtype when the plan asks for float32 from a local folder
@@ -268,11 +324,16 @@ class HFModelLoader(Component):
                 raise
             hint = "" if Path(where).exists() else \
                 " (not a local folder, and the hub is unreachable or the id is wrong)"
-            message = f"cannot load {where!r}{hint}: {_checks.one_line(exc)}"
-            plan = getattr(getattr(ctx, "run", None), "plan", None)
-            if plan is not None and hasattr(plan, "problem"):
-                raise PlanError([plan.problem(f"model.{key}", message)]) from exc
-            raise FtcoreError(f"model.{key}: {message}") from exc
+            raise self._refusal(ctx, key, f"cannot load {where!r}{hint}: {_checks.one_line(exc)}") from exc
+
+    @staticmethod
+    def _refusal(ctx: Any, key: str, message: str) -> FtcoreError:
+        """Bad input under the plan key ``model.<key>``: a PlanError naming the plan file where ``ctx`` has the
+        run (exit 2)."""
+        plan = getattr(getattr(ctx, "run", None), "plan", None)
+        if plan is not None and hasattr(plan, "problem"):
+            return PlanError([plan.problem(f"model.{key}", message)])
+        return FtcoreError(f"model.{key}: {message}")
 
     def meta_model(self):
         """For ``ftcore estimate``: the model on the meta device (no weights read) and its config."""

@@ -19,6 +19,8 @@ from ftcore.plan import subkey
 from ftcore.reporter import Reporter
 from ftcore.runner import calling
 
+from ftcore_plugins.models._rope import context_length, extension_hint
+
 log = logging.getLogger("ftcore")
 
 
@@ -39,15 +41,20 @@ def ftcore_preflight(plan: Any) -> list[str]:
         log.debug("preflight skipped: %s", exc)
         return []
     problems = []
-    config = getattr(config, "text_config", None) or config  # a multimodal model's language part
-    context = getattr(config, "max_position_embeddings", None)
+    whole, config = config, getattr(config, "text_config", None) or config  # a multimodal model's language part
+    context = context_length(config)
     for sel in [*(s.trainer for s in plan.stages), *(e.evaluator for e in plan.evaluations)]:
         length = getattr(sel.options, "max_length", None)
         # A default is a cap the rows rarely reach; a value the plan sets is a promise to use it.
         if isinstance(context, int) and isinstance(length, int) and length > context \
                 and "max_length" in sel.options.model_fields_set:
+            options = plan.model.options  # a loader with rope_scaling (hf) is told how to extend the context
+            hint = extension_hint(whole, length, context, options.rope_scaling is not None) \
+                if "rope_scaling" in type(options).model_fields else ""
+            source = "max_position_embeddings" if context == config.max_position_embeddings else \
+                "max_position_embeddings x the dynamic RoPE factor"
             problems.append(f"{sel.key}.max_length: {length} is longer than the model's context of {context} "
-                            f"tokens (max_position_embeddings); use at most {context}")
+                            f"tokens ({source}); use at most {context}{hint}")
     quantizer = plan.quantizer.create()
     silent = AdapterContext(RunInfo(plan, plan.run_dir), Reporter(None, None, None, None), quantizer)
     prepare_meta = getattr(quantizer, "prepare_meta", None)

@@ -284,3 +284,14 @@ def test_each_scaling_is_a_config_transformers_accepts_and_a_model_runs_at_four_
         logits = model(ids).logits
         assert torch.isfinite(logits).all() and logits.shape[1] == 4 * CONTEXT
         assert (logits - plain.eval()(ids).logits).abs().max() > 1e-4  # the scaling changes the positions
+
+
+def test_a_gguf_export_of_a_scaling_it_does_not_write_is_refused_before_training(tmp_path):
+    """ftcore's GGUF writer writes linear scaling only; refused in validate, not after the run trained."""
+    pytest.importorskip("gguf")
+    config().save_pretrained(tmp_path / "base")
+    write_jsonl(tmp_path / "chat.jsonl", long_rows(2))
+    plan = tmp_path / "plan.toml"
+    plan.write_text(PLAN.format(rope=YARN) + '\n[[export]]\nuse = "gguf"\n', encoding="utf-8")
+    line = one_line(_validate(plan))
+    assert "export[" in line and "a yarn rope_scaling is not written by ftcore's GGUF writer" in line, line

@@ -281,6 +281,13 @@ class GgufExporter(Component):
         if converted and importlib.util.find_spec("sentencepiece") is None:
             problems.append(f"use: llama.cpp's converter, which writes {kind!r} models, needs sentencepiece: "
                             f"{PIP_SENTENCEPIECE}")
+        scaling = getattr(plan.model.options, "rope_scaling", None)  # the hf loader's [model] rope_scaling
+        if scaling is not None and (converted or scaling.type != "linear"):
+            # The converter's check reads the base model's config.json, which has no scaling yet.
+            writer = "llama.cpp's converter (its check reads the unscaled config)" if converted else \
+                "ftcore's GGUF writer (it writes linear scaling only)"
+            problems.append(f"use: a {scaling.type} rope_scaling is not written by {writer}; export \"merged\" and "
+                            "convert that, or leave the gguf export out")
         if not problems and kind is not None:
             # What the writer will do with this config and tokenizer, before any training.
             why = self.converter_problem(plan, kind) if converted else writer_tokenizer_problem(

@@ -6,10 +6,12 @@ all-to-all turns the sequence shards into head shards around the attention kerne
 dataloader (``UlyssesSPDataLoaderAdapter``: every rank's batch is gathered, and each is then run by all
 ranks in turn, a slice of its columns each, with pre-shifted ``shift_labels``). What ftcore adds:
 
-- the batches it needs: position ids in every batch (TRL's collator gives them when asked), rows padded
-  to a multiple of ``sp_size`` columns;
+- the batches it needs: position ids in every batch (TRL's collator gives them under sequence
+  parallelism), rows padded to a multiple of ``sp_size`` columns (``run_trl``);
 - the loss over the whole row: each rank's summed loss over its slice, divided by the trained tokens of
-  every slice of the step (``num_items_in_batch``, which the Trainer counts only from ``labels``);
+  every slice of the step (``num_items_in_batch``, which the Trainer counts only from ``labels``); the
+  slices' gradients add up (DeepSpeed averages over the data-parallel ranks alone), and the value logged
+  is the whole rows' (``whole_row_loss``);
 - the checks that keep a plan from failing after the model loaded (``plan_problems`` here, the model's
   in ``common/launch.py``'s ``Distributed.model_problems``).
 
@@ -24,11 +26,6 @@ from typing import Any
 # row is a slice of the loss. Preference and RL trainers score whole rows (a sequence's log-probability),
 # which a slice does not have.
 SEQUENCE_PARALLEL_TRAINERS = ("sft", "pretrain")
-
-
-def sp_size(plan: Any) -> int:
-    d = getattr(plan, "distributed", None)
-    return d.sp_size if d is not None and d.processes > 1 else 1
 
 
 def row_axis(plan: Any) -> tuple[str, int] | None:

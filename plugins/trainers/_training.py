@@ -19,6 +19,7 @@ from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
 from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem
 from ftcore_plugins.trainers._router import OPTION as ROUTER_AUX, apply_router_aux, router_problems
 from ftcore_plugins.trainers._sequence_parallel import plan_problems as sequence_parallel_problems
+from ftcore_plugins.trainers._tiled_mlp import plan_problems as tiled_mlp_problems, tiled_mlps
 
 
 class TrainOptions(Options):
@@ -41,6 +42,10 @@ class TrainOptions(Options):
     # GPU memory to free, so there it changes nothing
     activation_offloading: bool = False
     compile: bool = False  # torch.compile the decoder blocks while training; off: on CPU it rarely pays (RESULTS.md)
+    # each decoder layer's MLP run over ceil(tokens / hidden_size) shards of the row by DeepSpeed's TiledMLP
+    # and recomputed shard by shard in backward: one shard's MLP activations at a time, for one more MLP
+    # forward a step (long rows; needs DeepSpeed installed; docs/distributed.md, "Tiled MLP")
+    tiled_mlp: bool = False
     # auto: bf16 on a GPU that has it, fp16 on one without, else fp32
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     logging_steps: int = Field(10, ge=1)
@@ -85,6 +90,7 @@ def training_problems(component: Any, plan: Any) -> list[str]:
         problems.append("precision: fp16 needs a CUDA GPU and none is visible here; use \"auto\", \"bf16\" or \"fp32\"")
     problems += router_problems(component, plan)
     problems += sequence_parallel_problems(component, plan)
+    problems += tiled_mlp_problems(component, plan)
     for stage in stages:
         problem = optimizer_problem(o.optimizer, adapter=stage.adapter.name)
         if problem and problem not in problems:
@@ -413,10 +419,16 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
                 p.data = p.data.float()
     totals.start()
     try:
-        with stop, compiled_blocks(trainer.model, o.compile) as compiled:
+        # Tiled before compiling, so that the compiled blocks run the tiled MLPs; both undone after training.
+        with stop, tiled_mlps(trainer.model, o.tiled_mlp, stage=ctx.stage, reporter=ctx.reporter,
+                              distributed_engine=ctx.run.world_size == 1 or trainer.is_deepspeed_enabled) as tiled, \
+                compiled_blocks(trainer.model, o.compile) as compiled:
             if o.compile:
                 ctx.reporter.log(ctx.stage, {"compiled_blocks": compiled}, step=0)
             result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
+        if o.tiled_mlp:  # the most shards a training forward used (1: every row no longer than hidden_size)
+            ctx.reporter.log(ctx.stage, {"tiled_mlp_layers": tiled["layers"], "tiled_mlp_shards": tiled["shards"]},
+                             step=trainer.state.global_step)
     except (MemoryError, torch.OutOfMemoryError):
         # Nothing half-written stays behind: the stage saves its output only after training, and a
         # checkpoint counts only once marked. The step is the one that did not finish.

@@ -61,6 +61,9 @@ class PPOTrainer(Component):
         problems = training_problems(self, plan)
         problems += [f"{key}: not used by trainer 'ppo' (it has no eval loss to watch); remove it"
                      for key in UNUSED if key in o.model_fields_set]
+        if o.tiled_mlp and not any(p.startswith("tiled_mlp:") for p in problems):  # its own loop: no tiling
+            problems.append("tiled_mlp: trainer 'ppo' runs its own rollout and update loop, which does not tile the "
+                            "MLPs; set tiled_mlp = false, or use grpo/rloo, which take it")
         d = getattr(plan, "distributed", None)
         if d is not None and d.wanted:  # its own rollout loop would give every rank the same prompts
             problems.append("trainer: 'ppo' runs in one process only; remove [distributed] (or set "

@@ -3,6 +3,7 @@ how many of its parameters train, and how to undo TRL's per-instance forward pat
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from pathlib import Path
@@ -87,3 +88,21 @@ def strip_forward_patches(model: Any) -> Any:
         if isinstance(patched, types.MethodType) and patched.__func__.__closure__:
             del module.forward
     return model
+
+
+def transformers_source(model_type: str, kind: str = "modeling") -> str:
+    """The installed transformers' ``kind`` (``modeling``, ``configuration``) source for ``model_type``, read
+    as files (nothing imported, so ``ftcore validate`` can ask); "" where there is none."""
+    spec = importlib.util.find_spec("transformers")
+    if not model_type or spec is None or not spec.submodule_search_locations:
+        return ""
+    models = Path(spec.submodule_search_locations[0]) / "models"
+    folder = models / model_type.replace("-", "_")
+    if not folder.is_dir():  # a config class that lives in another family's module (qwen3_5_text in qwen3_5)
+        declared = re.compile(rf"^\s+model_type\s*=\s*[\"']{re.escape(model_type)}[\"']", re.M)
+        folder = next((f.parent for f in sorted(models.glob("*/configuration_*.py"))
+                       if declared.search(f.read_text(encoding="utf-8", errors="replace"))), folder)
+    try:
+        return "\n".join(f.read_text(encoding="utf-8") for f in sorted(folder.glob(f"{kind}_*.py")))
+    except OSError:
+        return ""

@@ -9,16 +9,14 @@ writes the scaling into ``config.json``, where transformers reads it back.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import re
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from ftcore.component import Options
 
+from ftcore_plugins.common.model import transformers_source
 from ftcore_plugins.models._checks import one_line
 
 # The keys a type takes beyond ``type`` and ``factor`` (transformers warns on the others, and ignores them).
@@ -75,7 +73,7 @@ def rotary_size(config: dict[str, Any]) -> int | None:
         hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
         head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", config.get("rotary_pct")))
-    if partial is None and "partial_rotary_factor" in _source(str(config.get("model_type") or ""), "configuration"):
+    if partial is None and "partial_rotary_factor" in transformers_source(str(config.get("model_type") or ""), "configuration"):
         return None
     return int(head_dim * (partial or 1.0)) // 2 if head_dim else None
 
@@ -126,28 +124,10 @@ def uses_rope(config: dict[str, Any]) -> bool:
     its config sets."""
     if config.get("alibi") is True:
         return False
-    source = _source(str(config.get("model_type") or ""), "modeling")
+    source = transformers_source(str(config.get("model_type") or ""), "modeling")
     if source:
         return "rope_parameters" in source
     return any(key in config for key in ("rope_parameters", "rope_theta", "rope_scaling"))
-
-
-def _source(model_type: str, kind: str) -> str:
-    """The installed transformers' ``kind`` (modeling, configuration) source for ``model_type``, read as files
-    (nothing imported); "" where there is none."""
-    spec = importlib.util.find_spec("transformers")
-    if not model_type or spec is None or not spec.submodule_search_locations:
-        return ""
-    models = Path(spec.submodule_search_locations[0]) / "models"
-    folder = models / model_type.replace("-", "_")
-    if not folder.is_dir():  # a config class that lives in another family's module (qwen3_5_text in qwen3_5)
-        declared = re.compile(rf"^\s+model_type\s*=\s*[\"']{re.escape(model_type)}[\"']", re.M)
-        folder = next((f.parent for f in sorted(models.glob("*/configuration_*.py"))
-                       if declared.search(f.read_text(encoding="utf-8", errors="replace"))), folder)
-    try:
-        return "\n".join(f.read_text(encoding="utf-8") for f in sorted(folder.glob(f"{kind}_*.py")))
-    except OSError:
-        return ""
 
 
 def scale(config: Any, scaling: RopeScaling) -> Any:

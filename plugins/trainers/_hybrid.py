@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 from typing import Any
 
+from ftcore_plugins.common.model import transformers_source
 from ftcore_plugins.common.seq2seq import model_config as read_config
 
 # The import name of a kernel package, and the distribution to install where the two differ (as transformers
@@ -68,27 +68,9 @@ def layer_kinds(config: dict[str, Any]) -> set[str]:
 _PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
-def modeling_source(model_type: str) -> str:
-    """The source of the installed transformers' modeling module for ``model_type``, read from its file
-    (nothing imported); "" where there is none."""
-    spec = importlib.util.find_spec("transformers")
-    if spec is None or not spec.submodule_search_locations:
-        return ""
-    models = Path(spec.submodule_search_locations[0]) / "models"
-    folder = models / model_type.replace("-", "_")
-    if not folder.is_dir():  # a config class that lives in another family's module (qwen3_5_text in qwen3_5)
-        declared = re.compile(rf"^\s+model_type\s*=\s*[\"']{re.escape(model_type)}[\"']", re.M)
-        folder = next((f.parent for f in sorted(models.glob("*/configuration_*.py"))
-                       if declared.search(f.read_text(encoding="utf-8", errors="replace"))), folder)
-    try:
-        return "\n".join(f.read_text(encoding="utf-8") for f in sorted(folder.glob("modeling_*.py")))
-    except OSError:
-        return ""
-
-
 def kernel_packages(model_type: str) -> list[str]:
     """The kernel packages ``model_type``'s modeling module falls back from, in order."""
-    return list(dict.fromkeys(m.split(".")[0] for m in _FALLBACK.findall(modeling_source(model_type))))
+    return list(dict.fromkeys(m.split(".")[0] for m in _FALLBACK.findall(transformers_source(model_type))))
 
 
 def missing_kernels(config: dict[str, Any]) -> list[str]:

@@ -161,3 +161,44 @@ def test_init_says_when_no_plan_fits(tmp_path):
                 "--gpu-memory", "8GB", "--config", str(config), "--kind", "instructions", "--goal", "task")
     assert r.returncode == 2 and "no plan fits 8 GB of GPU memory even as qlora" in r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "plan.toml").exists()
+
+
+@pytest.mark.slow
+def test_init_proposes_sequence_parallelism_when_the_context_does_not_fit_one_gpu(tmp_path):
+    """Issue #43: asked for 65,536-token rows of a small Llama (8 heads) in 4 GB, no plan fits one GPU, not even
+    QLoRA; init splits each row across the fewest GPUs that fit (sp_size, a divisor of the heads, DeepSpeed, one
+    process a GPU), says so, and the plan validates and estimates as fitting per rank."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False,
+                                  "rms_norm_eps": 1e-5, "model_type": "llama", "hidden_size": 512,
+                                  "intermediate_size": 1536, "num_attention_heads": 8, "num_hidden_layers": 8,
+                                  "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 65536}))
+    rows = [{"text": f"Document {i}."} for i in range(300)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = tmp_path / "plan.toml"
+    r = run_cli("init", "-o", str(plan), "--data", str(data), "--model", "org/model", "--gpu-memory", "4GB",
+                "--config", str(config), "--kind", "text", "--goal", "domain", "--max-length", "65536")
+    assert r.returncode == 0, r.stderr
+    text = plan.read_text()
+    sp = int(key(text, "sp_size"))
+    assert sp > 1 and 8 % sp == 0 and int(key(text, "nproc_per_node")) == sp and key(text, "engine") == '"deepspeed"'
+    assert key(text, "max_length") == "65536" and key(text, "trainer") == '"pretrain"'
+    assert "[quantizer]" not in text  # DeepSpeed does not shard 4-bit weights
+    assert f"sequence parallelism, sp_size {sp} (each row split across {sp} GPUs" in r.stdout
+    assert f"({sp} chosen: the context does not fit one GPU)" in text
+    folder = tmp_path / "org" / "model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(config.read_text())
+    plan.write_text(text.replace('path = "org/model"', f'path = "{folder}"'))
+    e = run_cli("estimate", str(plan), "--device", "cuda", "--budget", "4GB")
+    assert e.returncode == 0 and "; fits 4.00 GiB" in e.stdout, e.stdout[-1500:] + e.stderr[-1500:]
+    assert f"applied: sequence parallel sp_size {sp}" in e.stdout
+    # The next smaller divisor does not fit init's budget (4 GB less its 10% margin): sp_size is the smallest that does.
+    if sp > 2:
+        smaller = text.replace(f"nproc_per_node = {sp}", f"nproc_per_node = {sp // 2}").replace(
+            f"sp_size = {sp}", f"sp_size = {sp // 2}")
+        plan.write_text(smaller.replace('path = "org/model"', f'path = "{folder}"'))
+        e = run_cli("estimate", str(plan), "--device", "cuda", "--budget", "3.6GB")
+        assert "does NOT fit" in e.stdout, e.stdout[-1500:]
+    assert run_cli("validate", str(plan)).returncode == 0

@@ -95,6 +95,38 @@ class Settings:
 
 
 @dataclass
+class Parallel:
+    """The plan's ``[distributed]`` axes as one rank sees them (``plugins/common/launch.py``'s ``Distributed``)."""
+
+    processes: int
+    engine: str  # ddp, deepspeed, fsdp
+    sp: int = 1  # DeepSpeed's Ulysses: a slice of each row's columns per rank
+    cp: int = 1  # torch's context parallelism (FSDP2): the same split of the row
+    tp: int = 1  # transformers' tp_plan: the sharded projections' weights and widths
+    zero_stage: int = 2
+    fsdp_sharding: str = "full_shard"
+    offload_optimizer: bool = False
+
+    @property
+    def data_parallel(self) -> int:
+        return max(1, self.processes // (self.sp * self.cp * self.tp))
+
+    @property
+    def row_split(self) -> int:
+        return self.sp * self.cp
+
+    @property
+    def shards(self) -> int:
+        """Ranks the engine partitions parameters, gradients and optimizer state over: DeepSpeed's ZeRO over its
+        ``seq_data_parallel`` group (every rank but the tensor-parallel axis: data parallel x sp), FSDP2 over
+        its data-parallel-shard x cp mesh."""
+        return max(1, self.processes // self.tp)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "data_parallel": self.data_parallel, "shards": self.shards}
+
+
+@dataclass
 class StageEstimate:
     stage: str
     trainer: str
@@ -112,6 +144,7 @@ class StageEstimate:
     residue: int = 0  # checkpoint pages the loader leaves resident (host memory; part of overhead on CPU)
     compute_params: int = 0  # the weights a token multiplies: all but the input embedding (a tied head once)
     moe: dict[str, int] | None = None  # a mixture of experts' total and active parameters (common/estimate.py)
+    axes: list[str] = field(default_factory=list)  # the [distributed] axes applied, each as it was counted
 
     @property
     def total(self) -> int:
@@ -127,6 +160,7 @@ class Estimate:
     stages: list[StageEstimate]
     budget: int | None = None
     notes: list[str] = field(default_factory=list)
+    parallel: Parallel | None = None  # per rank under [distributed]; None: one process
 
     @property
     def peak(self) -> int:
@@ -148,9 +182,11 @@ class Estimate:
                                s.moe["per_token"], "experts": s.moe["experts"]} if s.moe else {})},
                 "bytes": {**terms, "total": s.total},
                 "mib": {k: round(v / MiB, 1) for k, v in {**terms, "total": s.total}.items()},
-                "fits": self.fits(s), "sources": s.sources, "notes": s.notes,
+                "fits": self.fits(s), "sources": s.sources, "notes": s.notes, "axes": s.axes,
             })
         return {"plan": self.plan, "model": self.model, "quantizer": self.quantizer, "device": self.device,
+                "per": "rank" if self.parallel else "process",
+                "parallel": self.parallel.to_json() if self.parallel else None,
                 "budget_bytes": self.budget, "peak_bytes": self.peak, "peak_mib": round(self.peak / MiB, 1),
                 "fits": self.fits(), "stages": stages, "notes": self.notes}
 
@@ -220,11 +256,12 @@ def estimate_plan(plan: Any, *, device: str = "auto", budget: int | None = None)
     device = resolve_device(device)
     loader = plan.model.create()
     quantizer = plan.quantizer.create()
-    result = Estimate(str(plan.path), plan.model.name, plan.quantizer.name, device, [], budget)
+    parallel = parallel_axes(plan)
+    result = Estimate(str(plan.path), plan.model.name, plan.quantizer.name, device, [], budget, parallel=parallel)
 
     with _quiet():
         for stage in plan.stages:
-            result.stages.append(_stage(plan, stage, loader, quantizer, device, calling))
+            result.stages.append(_stage(plan, stage, loader, quantizer, device, calling, parallel))
         runtime: list[tuple[int, str]] = []
         for stage in plan.stages:
             trainer = stage.trainer.create()
@@ -266,7 +303,18 @@ def estimate_plan(plan: Any, *, device: str = "auto", budget: int | None = None)
     return result
 
 
-def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, calling: Callable) -> StageEstimate:
+def parallel_axes(plan: Any) -> Parallel | None:
+    """The plan's ``[distributed]`` table as one rank sees it, or None for one process (the table absent, one
+    process, or an accelerate config, which decides the engine and the axes itself)."""
+    d = getattr(plan, "distributed", None)
+    if d is None or d.processes < 2 or d.accelerate_config is not None:
+        return None
+    return Parallel(d.processes, d.engine, d.sp_size, d.cp_size, d.tp_size, d.zero_stage, d.fsdp_sharding,
+                    d.offload_optimizer)
+
+
+def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, calling: Callable,
+           parallel: Parallel | None = None) -> StageEstimate:
     sources: dict[str, str] = {}
     notes: list[str] = []
     trainer = stage.trainer.create()
@@ -342,21 +390,32 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
         state, temporaries = 8 * sum(p.numel() for p in trainable), 0
         sources["optimizer"] = "fallback: Adam, two fp32 values per trainable parameter"
 
+    row_split, tp = (parallel.row_split, parallel.tp) if parallel is not None else (1, 1)
     fn = _optional(trainer, "activation_bytes")
     if fn is not None:
+        declared = _declares(fn, "row_split")
         with calling(stage.trainer, "activation_bytes"):
-            activations = int(_call(fn, config, settings.batch_size, settings.seq_len, checkpointing,
-                                    model=model, device=device, precision=settings.precision))
+            activations = int(_call(fn, config, settings.batch_size,
+                                    settings.seq_len if declared else -(-settings.seq_len // row_split),
+                                    checkpointing, model=model, device=device, precision=settings.precision,
+                                    row_split=row_split, tp_size=tp))
         sources["activations"] = f"trainer '{stage.trainer.name}'"
+        if (row_split > 1 and not declared) or (tp > 1 and not _declares(fn, "tp_size")):
+            notes.append(f"trainer '{stage.trainer.name}' activation_bytes() takes no row_split/tp_size: counted "
+                         "at the rank's slice of the row, every layer at full width")
     else:
-        activations = generic_activation_bytes(config, settings.batch_size, settings.seq_len, checkpointing,
-                                               settings.precision)
+        activations = generic_activation_bytes(config, settings.batch_size, -(-settings.seq_len // row_split),
+                                               checkpointing, settings.precision)
         sources["activations"] = "fallback: generic decoder formula"
         if not activations:
             notes.append("activations not modeled: the model config has no hidden_size/num_hidden_layers")
     if step:
         activations += step
         sources["activations"] += f" + quantizer '{plan.quantizer.name}' step_bytes() {human(step)}"
+    axes: list[str] = []
+    if parallel is not None:
+        weights, gradients, state, temporaries = _shard(parallel, model, config, trainable, weights, gradients,
+                                                        state, temporaries, device, settings, axes, sources)
     # The optimizer step's temporaries and the activations never coexist: count the larger.
     optimizer = state + max(0, temporaries - activations)
     if temporaries > activations:
@@ -365,7 +424,102 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     return StageEstimate(stage.name, stage.trainer.name, _adapter_label(stage.adapter), settings,
                          sum(p.numel() for p in params) if params else total_before,
                          sum(p.numel() for p in trainable), weights, gradients, optimizer, activations,
-                         sources=sources, notes=notes, residue=residue, compute_params=compute_params, moe=moe)
+                         sources=sources, notes=notes, residue=residue, compute_params=compute_params, moe=moe,
+                         axes=axes)
+
+
+def _declares(fn: Callable, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+# DeepSpeed's default reduce_bucket_size (elements), which ftcore's config leaves as it is: ZeRO copies the
+# gradients into a bucket this large (allocated whole on CUDA; on CPU only the pages written count).
+_ZERO_BUCKET = 500_000_000
+
+
+def _tp_sharded(model: Any, config: Any) -> set[int]:
+    """Ids of the parameters transformers' tensor-parallel plan shards (the config's ``base_model_tp_plan``:
+    ``layers.*.self_attn.q_proj`` ...); with no plan, every linear layer inside the decoder layers."""
+    get = getattr(config, "get_text_config", None)
+    text = get() if callable(get) else config
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    patterns = [re.compile(r"(^|\.)" + re.escape(k).replace(r"\*", r"\d+") + r"$") for k in plan]
+    out: set[int] = set()
+    for name, module in model.named_modules():
+        if patterns:
+            hit = any(p.search(name) for p in patterns)
+        else:
+            hit = type(module).__name__ == "Linear" and ".layers." in f".{name}."
+        if hit:
+            out |= {id(p) for p in module.parameters(recurse=False)}
+    return out
+
+
+def _shard(parallel: Parallel, model: Any, config: Any, trainable: list, weights: int, gradients: int, state: int,
+           temporaries: int, device: str, settings: Settings, axes: list[str],
+           sources: dict[str, str]) -> tuple[int, int, int, int]:
+    """One rank's weights, gradients, optimizer state and step temporaries under the plan's axes and engine,
+    and ``axes``: what was applied, each as it was counted."""
+    p = parallel
+    seq = settings.seq_len
+    kept = 1.0
+    if p.sp > 1:
+        axes.append(f"sequence parallel sp_size {p.sp} (DeepSpeed Ulysses): activations per rank for "
+                    f"{-(-seq // p.sp):,} of each row's {seq:,} columns, attention for 1/{p.sp} of the heads over "
+                    "the whole row (measured: benchmarks/RESULTS.md, \"Sequence parallelism: per-rank activation "
+                    "memory\")")
+    if p.cp > 1:
+        axes.append(f"context parallel cp_size {p.cp}: activations per rank for {-(-seq // p.cp):,} of each "
+                    f"row's {seq:,} columns (computed as for sp_size, unmeasured)")
+    if p.tp > 1:
+        sharded = _tp_sharded(model, config)
+        cut = sum(q.numel() * q.element_size() for q in model.parameters() if id(q) in sharded)
+        weights -= cut * (p.tp - 1) // p.tp
+        own = sum(q.numel() * q.element_size() for q in trainable)
+        share = sum(q.numel() * q.element_size() for q in trainable if id(q) in sharded) / max(own, 1)
+        kept = 1 - share * (p.tp - 1) / p.tp  # what stays of the trainable parameters' bytes
+        gradients, state, temporaries = int(gradients * kept), int(state * kept), int(temporaries * kept)
+        axes.append(f"tensor parallel tp_size {p.tp}: the tp_plan's projections (weights, gradients, optimizer "
+                    f"state, and their activations) / {p.tp}, norms, embeddings and the head whole (computed, "
+                    "unmeasured)")
+    n = p.shards
+    elements = int(sum(q.numel() for q in trainable) * kept)  # this rank's (tp's share of the sharded ones)
+    size = trainable[0].element_size() if trainable else 4
+    if p.engine == "deepspeed":
+        # ZeRO (runtime/zero/stage_1_and_2.py, stage3.py) over every rank but tp's: the fp32 master weights
+        # (a copy, whatever the model's dtype) and the optimizer state of this rank's 1/n partition, the gradients
+        # of its partition in fp32, and the bucket they are reduced through.
+        bucket = (_ZERO_BUCKET if device == "cuda" else min(elements, _ZERO_BUCKET)) * size
+        master = elements * 4 // n
+        state, temporaries = state // n, temporaries // n
+        if p.offload_optimizer and device == "cuda":
+            state = master = temporaries = 0
+        gradients = elements * 4 // n + bucket
+        if p.zero_stage == 3:
+            weights //= n
+        sources["optimizer"] += f", ZeRO-{p.zero_stage}: state and fp32 master weights / {n}"
+        sources["gradients"] = f"ZeRO-{p.zero_stage}: this rank's fp32 partition (1/{n}) + the reduce bucket"
+        axes.append(f"DeepSpeed ZeRO-{p.zero_stage} over {n} ranks (data parallel {p.data_parallel} x sp {p.sp}"
+                    f"{f' x cp {p.cp}' if p.cp > 1 else ''}): "
+                    + ("weights, " if p.zero_stage == 3 else "")
+                    + f"gradients, fp32 master weights and optimizer state / {n}, plus the gradient reduce bucket "
+                      f"({human(bucket)})" + (", the optimizer in host memory" if p.offload_optimizer else ""))
+        state += master
+    elif p.engine == "fsdp":
+        full = p.fsdp_sharding == "full_shard"
+        gradients, state, temporaries = gradients // n, state // n, temporaries // n
+        if full:
+            weights //= n
+        axes.append(f"FSDP2 {p.fsdp_sharding} over {n} ranks: {'weights, ' if full else ''}gradients and optimizer "
+                    f"state / {n} (computed, unmeasured)")
+    else:
+        axes.append(f"DDP over {p.processes} processes: every rank holds the whole model, its gradients and "
+                    "optimizer state")
+    return weights, gradients, state, temporaries
 
 
 def _vision_notes(model: Any) -> list[str]:
@@ -566,7 +720,8 @@ def stage_line(result: Estimate, s: StageEstimate) -> str:
     verdict = "" if fits is None else (
         f"; fits {human(result.budget)}" if fits else f"; does NOT fit {human(result.budget)}")
     terms = " + ".join(f"{t} {human(getattr(s, t))}" for t in TERMS)
-    return (f"stage {s.stage}: {human(s.total)} peak ({result.device}) = {terms}; {s.trainer}, {s.adapter}, "
+    where = result.device if result.parallel is None else f"{result.device}, per rank of {result.parallel.processes}"
+    return (f"stage {s.stage}: {human(s.total)} peak ({where}) = {terms}; {s.trainer}, {s.adapter}, "
             f"quantizer {result.quantizer}, batch {st.batch_size} x {st.seq_len} tokens, checkpointing "
             f"{'on' if st.gradient_checkpointing else 'off'}, {st.optimizer}, {st.precision}, "
             f"{s.trainable_params:,} of {s.total_params:,} parameters trainable{verdict}"
@@ -582,7 +737,8 @@ def print_estimate(result: Estimate, console: Any) -> None:
     if not result.stages:
         console.print(f"{result.plan}: the plan has no stages: nothing trains", highlight=False)
         return
-    table = Table(title=f"Estimated peak memory ({'RSS' if result.device == 'cpu' else 'GPU'}, "
+    per = "" if result.parallel is None else " per rank"
+    table = Table(title=f"Estimated peak memory{per} ({'RSS' if result.device == 'cpu' else 'GPU'}, "
                         f"{result.device}), GiB", title_justify="left")
     table.add_column("stage")
     for t in (*TERMS, "total"):
@@ -595,6 +751,12 @@ def print_estimate(result: Estimate, console: Any) -> None:
             row.append("[green]yes[/]" if result.fits(s) else "[red]no[/]")
         table.add_row(*row)
     console.print(table)
+    if result.parallel is not None:
+        p = result.parallel
+        console.print(escape(f"parallel: {p.processes} processes, engine {p.engine}, data parallel {p.data_parallel}; "
+                             "every figure is one rank's"), highlight=False, soft_wrap=True)
+        for axis in dict.fromkeys(a for s in result.stages for a in s.axes):
+            console.print(f"  applied: {escape(axis)}", highlight=False, soft_wrap=True)
     notes = [*result.notes, *dict.fromkeys(n for s in result.stages for n in s.notes)]
     for note in notes:
         console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True, style="dim")

@@ -107,6 +107,7 @@ class Choice:
     r: int | None = None  # LoRA rank; None: the method's default
     optimizer: str | None = None  # None: the trainer's default
     offload: bool = False  # activation offloading (the checkpointed layers' inputs in host memory)
+    sp_size: int = 1  # sequence parallelism: each row split across this many GPUs (DeepSpeed's Ulysses)
 
 
 def is_rlhf(a: Answers) -> bool:
@@ -203,6 +204,14 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
         lines += ["[[evaluate]]", 'use = "perplexity"   # token-weighted, before and after training',
                   'data = "train:validation"', ""]
     lines += ["[[export]]", 'use = "adapter"' if how != "full" else 'use = "merged"', ""]
+    if choice is not None and choice.sp_size > 1:
+        n = choice.sp_size
+        lines += [f"# max_length {choice.max_length} does not fit one GPU: sequence parallelism splits each row across "
+                  f"{n} GPUs (DeepSpeed's Ulysses: each holds the whole model and 1/{n} of every row's columns; "
+                  f"inside attention the whole row for 1/{n} of the heads). {n} is the smallest divisor of the "
+                  "model's attention heads that fits; the processes beyond it would run data parallel.",
+                  "[distributed]", 'engine = "deepspeed"   # Ulysses runs on DeepSpeed (ZeRO-2 shards the optimizer)',
+                  f"nproc_per_node = {n}   # one process a GPU", f"sp_size = {n}", ""]
     return "\n".join(lines)
 
 
@@ -217,12 +226,50 @@ LEANER = {"qlora": ((None, None, False), (None, "paged_adamw_8bit", False), (Non
                     (8, "paged_adamw_8bit", True))}
 
 
-def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
+# Trainers sequence parallelism runs with (plugins/trainers/_sequence_parallel.py, SEQUENCE_PARALLEL_TRAINERS).
+SP_TRAINERS = ("sft", "pretrain")
+
+
+def attention_heads(model: str, home: Path, config: Path | None) -> int | None:
+    """The model's attention heads, from the config at hand (``--config``, the local folder's, the hub cache's)."""
+    file = config if config is not None else home / model / "config.json"
+    if not file.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model, "config.json")
+        except Exception:
+            return None
+        if not isinstance(cached, str):
+            return None
+        file = Path(cached)
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    heads = raw.get("num_attention_heads") or (raw.get("text_config") or {}).get("num_attention_heads")
+    return heads if isinstance(heads, int) and heads > 0 else None
+
+
+def sp_sizes(heads: int | None, trainer_ok: bool) -> list[int]:
+    """One device, then each divisor of the heads above 1, smallest first (Ulysses hands each process whole
+    heads), when the plan's trainer runs sequence parallel."""
+    if not heads or not trainer_ok:
+        return [1]
+    return [1, *(n for n in range(2, heads + 1) if heads % n == 0)]
+
+
+def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = None) -> Choice | None:
     """The first plan, in order of preference, that ``ftcore estimate`` (CUDA, bf16) says fits the
     GPU memory less ``MARGIN``: the method the memory suggests and then the leaner ones; within a
     method the longest ``max_length``, then no gradient checkpointing, then (QLoRA) the default
     optimizer and rank before ``LEANER``'s, then the largest batch (gradient accumulation keeps the
-    effective batch). None when no config is at hand."""
+    effective batch). None when no config is at hand.
+
+    With ``max_length`` (the context the plan must train on) that length is kept; when no plan fits one
+    GPU at it, sequence parallelism is proposed: ``sp_size`` the smallest divisor of the model's attention
+    heads whose per-rank estimate fits (engine DeepSpeed, one process a GPU; not with QLoRA, whose 4-bit
+    weights DeepSpeed does not shard, and only for the trainers it runs with, ``SP_TRAINERS``)."""
     import shutil
     import tempfile
 
@@ -233,6 +280,10 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
 
     os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"  # a config is read, never downloaded
     budget = int(a.gpu_memory_gb * GiB * (1 - MARGIN))
+    lengths = (max_length,) if max_length else LENGTHS
+    # write_plan's stage: pretrain for raw text or a domain shift, else SFT unless the data is for alignment
+    trainer_ok = a.goal == "domain" or a.kind == "text" or not (a.goal == "alignment" or a.kind == "preferences")
+    sizes = sp_sizes(attention_heads(a.model, out.resolve().parent, config), trainer_ok) if max_length else [1]
     methods = ("full", "lora", "qlora")
     order = list(methods[methods.index(method(a.gpu_memory_gb)[0]):])
     if is_rlhf(a):
@@ -262,30 +313,42 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
                 return None
             return estimate.peak
 
-        for how in order:
+        # DeepSpeed does not shard 4-bit weights: split across GPUs, the leanest method is LoRA on a bf16 base.
+        split_order = [m for m in order if m != "qlora"] or ["lora"]
+        for sp, how in ((sp, how) for sp in sizes for how in (order if sp == 1 else split_order)):
+            if sp > 1 and lengths[-1] % sp:
+                continue  # each process takes an equal slice of a row
             variants = LEANER.get(how, ((None, None, False),))
-            lean = Choice(how, 1, EFFECTIVE_BATCH, LENGTHS[-1], True, [], *variants[-1])
+            lean = Choice(how, 1, EFFECTIVE_BATCH, lengths[-1], True, [], *variants[-1], sp_size=sp)
             if (p := peak(lean)) is None:
+                if sp > 1:
+                    continue  # a plan sequence parallelism cannot run (DeepSpeed absent, the model's layers)
                 return None  # the config cannot be read: no estimate to fit against
             if p > budget:
                 continue
             # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
             checkpointings = (True,) if how == "qlora" else (False, True)
-            for length, checkpointing, (r, optimizer, offload), batch in itertools.product(LENGTHS, checkpointings, variants,
+            for length, checkpointing, (r, optimizer, offload), batch in itertools.product(lengths, checkpointings, variants,
                                                                                  BATCHES):
                 choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [], r, optimizer,
-                                offload)
+                                offload, sp_size=sp)
                 need = peak(choice)
                 if need is None or need > budget:
                     continue
                 leaner = "" if len(variants) == 1 else (
                     ", then " + " > ".join(_variant(v) for v in variants) + f" ({_variant((r, optimizer, offload))})")
+                per = f" per GPU, each of {sp} sharing every row (sequence parallelism)" if sp > 1 else ""
                 choice.why = [
                     f"Fitted to {a.gpu_memory_gb:g} GB of GPU memory: `ftcore estimate --device cuda` "
-                    f"says {human(need)} at its peak, within {human(budget)} (the memory less a "
+                    f"says {human(need)} at its peak{per}, within {human(budget)} (the memory less a "
                     f"{MARGIN:.0%} margin); {tried} settings tried, in this order of preference:",
-                    f"  method {' > '.join(order)} ({how} chosen), then max_length "
-                    f"{' > '.join(map(str, LENGTHS))} ({length}), then "
+                    *([f"  one GPU, then sp_size {' > '.join(map(str, sizes[1:]))} (the divisors of the model's "
+                       f"attention heads) at max_length {length} ({sp} chosen: the context does not fit one GPU),"]
+                      if sp > 1 else []),
+                    f"  method {' > '.join(order if sp == 1 else split_order)} ({how} chosen"
+                    + ("; QLoRA's 4-bit weights DeepSpeed does not shard" if sp > 1 and "qlora" in order else "")
+                    + "), then max_length "
+                    f"{' > '.join(map(str, lengths))} ({length}), then "
                     + ("gradient checkpointing on (the 4-bit quantizer's own)" if how == "qlora" else
                        f"gradient checkpointing off > on ({'on' if checkpointing else 'off'})")
                     + f"{leaner}, then batch {' > '.join(map(str, BATCHES))} "
@@ -294,9 +357,10 @@ def fit(a: Answers, out: Path, config: Path | None) -> Choice | None:
                     "Check it on the real hardware: ftcore estimate plan.toml --device cuda --budget "
                     f"{a.gpu_memory_gb:g}GB"]
                 return choice
+        split = f", nor split across up to {sizes[-1]} GPUs by sequence parallelism" if len(sizes) > 1 else ""
         raise FtcoreError(f"init: no plan fits {a.gpu_memory_gb:g} GB of GPU memory even as {order[-1]} with batch 1, "
-                          f"max_length {LENGTHS[-1]} and gradient checkpointing ({tried} settings estimated); use "
-                          "more memory per GPU, or several GPUs with DeepSpeed ZeRO-3 (see docs/distributed.md)")
+                          f"max_length {lengths[-1]} and gradient checkpointing{split} ({tried} settings estimated); "
+                          "use more memory per GPU, or several GPUs with DeepSpeed ZeRO-3 (see docs/distributed.md)")
 
 
 def moe_size(model: str, home: Path, config: Path | None) -> str | None:
@@ -360,6 +424,9 @@ class InitCommand(Command):
         parser.add_argument("--data", help="training data file (JSON, JSON Lines)")
         parser.add_argument("--kind", choices=KINDS, help="what the data holds")
         parser.add_argument("--rows", type=int, help="number of rows (counted from the file when omitted)")
+        parser.add_argument("--max-length", type=int, help="the context to train on, in tokens: kept, and split "
+                                                            "across GPUs by sequence parallelism when it does not fit "
+                                                            "one (default: the longest of 2048/1024/512 that fits)")
         parser.add_argument("--goal", choices=GOALS, help="what the fine-tune is for")
         parser.add_argument("--kl", choices=("low", "high"), default=None,
                             help="alignment: how much staying close to the base model matters")
@@ -408,13 +475,22 @@ class InitCommand(Command):
             raise FtcoreError(f"init: --config: no such file: {args.config}")
         config = Path(args.config) if args.config else None
         answers.moe = moe_size(model, out.resolve().parent, config)
-        choice = fit(answers, out, config) if gb > 0 else None
-        out.write_text(write_plan(answers, choice), encoding="utf-8")
+        if args.max_length is not None and args.max_length < 1:
+            raise FtcoreError(f"init: --max-length: must be a positive number of tokens, got {args.max_length}")
+        choice = fit(answers, out, config, args.max_length) if gb > 0 else None
+        text = write_plan(answers, choice)
+        if choice is None and args.max_length:
+            text = re.sub(r"^max_length = \d+", f"max_length = {args.max_length}", text, flags=re.M)
+        out.write_text(text, encoding="utf-8")
         moe = f"; mixture of experts: {answers.moe}" if answers.moe else ""
         if choice is not None:
+            sp = (f"; the context does not fit one GPU: sequence parallelism, sp_size {choice.sp_size} (each row split "
+                  f"across {choice.sp_size} GPUs, engine deepspeed, nproc_per_node {choice.sp_size})"
+                  if choice.sp_size > 1 else "")
             print(f"wrote {out}: {choice.method}, batch {choice.batch} x {choice.max_length} tokens (accumulating "
                   f"{choice.accumulation}), checkpointing {'on' if choice.checkpointing else 'off'}, fitted to "
-                  f"{gb:g} GB by ftcore estimate; {rows:,} rows{moe}; check it with: ftcore validate {out}")
+                  f"{gb:g} GB{' per GPU' if sp else ''} by ftcore estimate{sp}; {rows:,} rows{moe}; check it with: "
+                  f"ftcore validate {out}")
         else:
             why = "CPU only" if gb == 0 else "the model's config is not at hand (give a local folder or --config)"
             print(f"wrote {out}: {method(gb)[0]}, {rows:,} rows, not fitted ({why}){moe}; check it with: "

@@ -332,6 +332,13 @@ _CHUNK_BUFFERS = 2.0
 _FULL_LOGIT_COPIES = 3
 _CPU_TILES, _CUDA_TILES = 8.5, 2.0
 _MMAP_THRESHOLD_MAX = 32 * MiB  # glibc, 64-bit: larger blocks are always mmapped, and unmapped when freed
+# Without checkpointing, on CPU, a step's peak RSS is what autograd saves (counted here within 3% by saved-tensor
+# hooks on the tiny Llama of benchmarks/sequence_parallel_memory.py) plus about one layer's saved tensors again:
+# the backward of the last layer places its gradients (about as large as what the layer saved) above the saved
+# tensors in glibc's heap, while they are all still alive (the RSS timeline of a step puts the peak there). The
+# checkpointed count has the same term (a layer recomputed, with its gradients). Measured through `ftcore run` at
+# 4,096 and 8,192 tokens, one process and two under sp_size 2: benchmarks/sequence_parallel_memory.py.
+_CPU_BACKWARD_LAYERS = 1
 
 # Process memory a TRL training run adds on CPU beyond what its imports take: the trainer,
 # accelerate state, tokenized data, the data loader, thread pools, oneDNN caches and the
@@ -562,6 +569,27 @@ def _dense_layer_bytes(dims: tuple, found: dict[str, Any], *, device: str, autoc
     return per_layer + (found["lora_outputs"] * 4 + found["lora_inputs"] * lora_copy) / layers
 
 
+def split_dims(dims: tuple, row_split: int = 1, tp_size: int = 1) -> tuple:
+    """A rank's share of :func:`_dims`, per token of its slice of the row, under the row split (Ulysses'
+    ``sp_size``, or ``cp_size``) and tensor parallelism.
+
+    Ulysses gives each of ``row_split`` ranks ``1/row_split`` of the row's columns, and inside attention
+    (an all-to-all) the whole row for ``heads/row_split`` heads: per token of the slice, query, output and
+    key/value are as wide as without the split, but key/value heads fewer than ``row_split`` are copied, a
+    whole one to each rank (``max(kv_heads, row_split)`` heads' width). Tensor parallelism splits the
+    attention heads, the key/value heads and the MLP width of the sharded projections (transformers'
+    ``tp_plan``: q, k, v, gate and up column-wise, o and down row-wise) ``tp_size`` ways; the norms and
+    the residual stream stay whole."""
+    h, layers, heads, q_dim, kv_dim, inter, vocab = dims
+    if row_split > 1:
+        head_dim = q_dim // max(heads, 1)
+        kv_heads = kv_dim // max(head_dim, 1)
+        kv_dim = max(kv_heads, row_split) * head_dim
+    if tp_size > 1:
+        heads, q_dim, kv_dim, inter = (max(1, x // tp_size) for x in (heads, q_dim, kv_dim, inter))
+    return h, layers, heads, q_dim, kv_dim, inter, vocab
+
+
 def layer_activation_bytes(model_config: Any, model: Any = None, *, device: str = "cpu",
                            precision: str = "fp32") -> float:
     """Bytes a decoder layer saves for backward per token (the average over the layers), as
@@ -571,7 +599,8 @@ def layer_activation_bytes(model_config: Any, model: Any = None, *, device: str 
 
 
 def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool,
-                             *, model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:
+                             *, model: Any = None, device: str = "cpu", precision: str = "fp32",
+                             row_split: int = 1, tp_size: int = 1) -> int:
     """Peak activation memory of one training step of a decoder-only transformer under TRL.
 
     Per layer, the tensors autograd saves (counted with saved-tensor hooks on Llama, full and
@@ -586,9 +615,15 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     that autocast caches through the forward. Then
     the loss's working set: the trainer's ``loss_kernel`` (sft, pretrain), else TRL's fused LM
     head. With checkpointing only each layer's input is kept, and one layer at a time is
-    recomputed in backward, with its gradients.
+    recomputed in backward, with its gradients. Without it, on CPU, the last layer's gradients in backward
+    come on top of everything saved (``_CPU_BACKWARD_LAYERS``).
+
+    Per rank under sequence (``row_split``: Ulysses' ``sp_size``, or ``cp_size``) and tensor parallelism
+    (``tp_size``): every tensor above for the rank's ``ceil(seq_len / row_split)`` columns, widths as
+    :func:`split_dims` gives them.
     """
-    dims = _dims(model_config)
+    dims = split_dims(_dims(model_config), row_split, tp_size)
+    seq_len = -(-seq_len // max(row_split, 1))
     h, layers, _, _, _, _, vocab = dims
     autocast = precision in ("bf16", "fp16")
     found = _scan(model, autocast)
@@ -598,6 +633,11 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     tokens = batch_size * seq_len
     norm = 4 + (res if found["norms_train"] else 0)  # bytes per element, per norm
     per_layer = tokens * _layer_bytes(dims, found, device=device, autocast=autocast)
+    if row_split > 1:
+        # Ulysses keeps one more query-wide tensor a layer (its all-to-all's layout copies): saved-tensor hooks on
+        # benchmarks/sequence_parallel_memory.py's Llama under sp_size 2 counted that much more than for the same
+        # columns in one process (4,096 tokens a rank, 4 layers: 4.6 MiB).
+        per_layer += tokens * dims[3] * lin
     final_norm = tokens * h * norm
     rows = batch_size * max(seq_len - 1, 1)
     kernel = _loss_kernel(trainer, device)
@@ -640,7 +680,8 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
         experts = expert_lora_bytes(found["expert_blocks"], True)
         return int(saved + max(head + cast_cache, 2 * per_layer + experts) + retained)
     experts = expert_lora_bytes(found["expert_blocks"], False)
-    return int(layers * per_layer + final_norm + head + cast_cache + retained + experts)
+    backward = _CPU_BACKWARD_LAYERS * per_layer if device != "cuda" else 0  # CUDA's allocator reuses the blocks
+    return int(layers * per_layer + final_norm + head + cast_cache + retained + experts + backward)
 
 
 def _loss_kernel(trainer: Any, device: str) -> str:
@@ -707,9 +748,10 @@ class TrainerMemory:
         return trainer_memory_settings(self, device=device)
 
     def activation_bytes(self, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool, *,
-                         model: Any = None, device: str = "cpu", precision: str = "fp32") -> int:
+                         model: Any = None, device: str = "cpu", precision: str = "fp32", row_split: int = 1,
+                         tp_size: int = 1) -> int:
         return trainer_activation_bytes(self, model_config, batch_size, seq_len, checkpointing, model=model,
-                                        device=device, precision=precision)
+                                        device=device, precision=precision, row_split=row_split, tp_size=tp_size)
 
     def optimizer_bytes(self, params: list, *, device: str = "cpu") -> tuple[int, int]:
         return trainer_optimizer_bytes(self, params, device=device)

@@ -341,3 +341,10 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         sys.stderr.write("\nthe suite left files in the working tree: " + ", ".join(left[:20]) + "\n")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def one_line_refusal(result) -> str:
+    """The one line a refused command printed (exit 2, no traceback)."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from conftest import SHARED, chat_rows, run_cli, write_jsonl
+from conftest import SHARED, chat_rows, one_line_refusal, run_cli, write_jsonl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -146,11 +146,6 @@ def build(model_type: str, folder, tok):
     tok.save_pretrained(folder)
     return model.eval(), auto
 
-
-def one_line_refusal(result) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 def adapter_parameters(folder) -> int:

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from conftest import SHARED, chat_rows, run_cli, write_jsonl
+from conftest import SHARED, chat_rows, one_line_refusal, run_cli, write_jsonl
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -96,11 +96,6 @@ def project(tmp_path, rope: str, model_type: str = "llama", **fields):
     return plan
 
 
-def one_line(result) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
-
 
 # -- acceptance -------------------------------------------------------------------------------------------
 
@@ -147,7 +142,7 @@ def test_yarn_trains_at_four_times_the_context_and_the_merged_export_keeps_it(tm
 @pytest.mark.slow
 def test_without_rope_scaling_the_longer_max_length_is_refused_naming_it(tmp_path):
     plan = project(tmp_path, "")
-    line = one_line(run_cli("run", str(plan)))
+    line = one_line_refusal(run_cli("run", str(plan)))
     assert line.startswith(f"{plan}: stage[0].max_length: 256 is longer than the model's context of {CONTEXT}"), line
     assert 'rope_scaling = { type = "yarn", factor = 4.0 }' in line, line
     assert not (tmp_path / "runs").exists()
@@ -158,7 +153,7 @@ def test_a_type_the_family_does_not_take_is_refused_before_the_weights_load(tmp_
     # Phi-3's config takes longrope alone (and would read a yarn back as longrope): transformers' own check says
     # so on the config, in the run's pre-flight.
     plan = project(tmp_path, YARN, "phi3", original_max_position_embeddings=CONTEXT)
-    line = one_line(run_cli("run", str(plan)))
+    line = one_line_refusal(run_cli("run", str(plan)))
     assert line.startswith(f"{plan}: model.rope_scaling: model type 'phi3' does not take type \"yarn\": "), line
     assert "longrope" in line and not (tmp_path / "runs").exists()
 
@@ -202,7 +197,7 @@ def test_bad_rope_scaling_is_one_line_from_validate(tmp_path, case):
     write_jsonl(tmp_path / "chat.jsonl", long_rows(2))
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN.format(rope=f"rope_scaling = {setting}\n"), encoding="utf-8")
-    line = one_line(_validate(plan))
+    line = one_line_refusal(_validate(plan))
     assert line.startswith(f"{plan}: " + expected.format(base=tmp_path / "base")), line
 
 
@@ -293,5 +288,5 @@ def test_a_gguf_export_of_a_scaling_it_does_not_write_is_refused_before_training
     write_jsonl(tmp_path / "chat.jsonl", long_rows(2))
     plan = tmp_path / "plan.toml"
     plan.write_text(PLAN.format(rope=YARN) + '\n[[export]]\nuse = "gguf"\n', encoding="utf-8")
-    line = one_line(_validate(plan))
+    line = one_line_refusal(_validate(plan))
     assert "export[" in line and "a yarn rope_scaling is not written by ftcore's GGUF writer" in line, line

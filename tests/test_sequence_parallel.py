@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SHARED, TINY_HEADER, chat_rows, run_cli, text_rows, write_jsonl
+from conftest import SHARED, TINY_HEADER, chat_rows, one_line_refusal, run_cli, text_rows, write_jsonl
 
 SP = '\n[distributed]\nengine = "deepspeed"\nnproc_per_node = 2\nsp_size = 2\n'
 STAGE = """
@@ -55,11 +55,6 @@ def write_plan(folder: Path, name: str, distributed: str = "", *, trainer: str =
     return path
 
 
-def one_line(result) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
-
 
 # Each class of plan that sequence parallelism cannot run: (what the plan changes, what the line says).
 REFUSED = {
@@ -97,7 +92,7 @@ def test_axes_that_need_a_gpu_are_refused_without_one(case, tmp_path):
     if gpu_visible():
         pytest.skip("this machine has a GPU")
     distributed, expected = CUDA_ONLY[case]
-    line = one_line(run_cli("validate", str(write_plan(tmp_path, case.replace(" ", "-"), distributed))))
+    line = one_line_refusal(run_cli("validate", str(write_plan(tmp_path, case.replace(" ", "-"), distributed))))
     assert expected in line, line
 
 
@@ -105,7 +100,7 @@ def test_axes_that_need_a_gpu_are_refused_without_one(case, tmp_path):
 def test_plans_sequence_parallelism_cannot_run_are_refused_in_one_line(case, tmp_path):
     change, expected = REFUSED[case]
     plan = write_plan(tmp_path, case.replace(" ", "-"), **change)
-    line = one_line(run_cli("validate", str(plan)))
+    line = one_line_refusal(run_cli("validate", str(plan)))
     assert expected in line, line
     assert not (tmp_path / "runs").exists()
 
@@ -138,7 +133,7 @@ def test_a_recurrent_model_is_refused(tmp_path):
         use = "jsonl"
         path = "chat.jsonl"
         """)
-    line = one_line(run_cli("validate", str(write_plan(tmp_path, "lfm2", SP, header=header))))
+    line = one_line_refusal(run_cli("validate", str(write_plan(tmp_path, "lfm2", SP, header=header))))
     assert "distributed.sp_size: the model's conv layers carry a state along the row" in line, line
 
 

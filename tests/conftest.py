@@ -185,6 +185,38 @@ def qwen25_tiny_model(tmp_path):
     return out
 
 
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random-init Llama saved with a byte-level BPE tokenizer trained here on the tests' own
+    rows (nothing downloaded, no shared fixture needed): what ``[model] use = "hf"`` loads."""
+    torch = pytest.importorskip("torch")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    texts = [m["content"] for row in chat_rows(200) for m in row["messages"]]
+    texts += [row["text"] for row in text_rows(50)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                        additional_special_tokens=SPECIALS[2:])
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                                  max_position_embeddings=128, tie_word_embeddings=False,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("tiny-llama") / "base"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 @pytest.fixture
 def tiny_project(tmp_path: Path):
     """A folder with tiny text and chat data, and a function that writes a plan there."""

@@ -20,7 +20,6 @@ from ftcore.errors import FtcoreError
 from ftcore_plugins.adapters.lora import LoraAdapter
 
 from conftest import chat_rows, run_cli, write_jsonl
-from test_quantizers import tiny_llama  # noqa: F401 - the module-scoped fixture, reused
 
 PROMPTS = [[{"role": "user", "content": "Which is an animal? red fox tree"}],
            [{"role": "user", "content": "Which is an animal? the blue bird sees a stone"}]]
@@ -217,7 +216,7 @@ use = "adapter"
 
 
 @pytest.mark.slow
-def test_qlora_merged_export_merges_into_the_full_precision_base(tmp_path, tiny_llama):  # noqa: F811
+def test_qlora_merged_export_merges_into_the_full_precision_base(tmp_path, tiny_llama):
     pytest.importorskip("bitsandbytes")
     from peft import PeftModel
     from safetensors import safe_open

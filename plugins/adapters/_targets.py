@@ -65,10 +65,19 @@ def _conv1d_class():
     return Conv1D
 
 
-def _is_linear(module: Any) -> bool:
+def _linear_classes() -> tuple:
+    """``nn.Linear``, GPT-2's ``Conv1D``, and hqq's ``HQQLinear`` once hqq is in use: it replaces a linear
+    layer without subclassing ``nn.Linear``, and peft adapts it (``peft/tuners/lora/hqq.py``)."""
+    import sys
+
     import torch
 
-    return isinstance(module, (torch.nn.Linear, _conv1d_class()))
+    hqq = sys.modules.get("hqq.core.quantize")
+    return (torch.nn.Linear, _conv1d_class()) + ((hqq.HQQLinear,) if hqq is not None else ())
+
+
+def _is_linear(module: Any) -> bool:
+    return isinstance(module, _linear_classes())
 
 
 def _head_paths(model: Any) -> set[str]:
@@ -394,7 +403,7 @@ def resolve(model: Any, spec: str | list[str], *, label: str = "target_modules",
         if not spec:
             raise FtcoreError(f"adapter {label}: the list is empty; name at least one module, or use a preset "
                               f"({', '.join(PRESETS)})")
-        allowed: tuple = (torch.nn.Linear, _conv1d_class()) + ((torch.nn.Embedding,) if embeddings else ())
+        allowed: tuple = _linear_classes() + ((torch.nn.Embedding,) if embeddings else ())
         chosen = []
         for entry in spec:
             found = [p for p in every if _matches(entry, p)]
@@ -465,7 +474,7 @@ def _shape(module: Any) -> tuple[int, int] | None:
 
     if isinstance(module, _conv1d_class()):
         return module.weight.shape[0], module.nf
-    if isinstance(module, torch.nn.Linear):
+    if _is_linear(module):
         return module.in_features, module.out_features
     if isinstance(module, torch.nn.Embedding):
         return module.num_embeddings, module.embedding_dim

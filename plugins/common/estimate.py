@@ -7,6 +7,7 @@ in a line or two, so the estimate's knowledge of the built-ins lives in one modu
   (no weights are read, no memory is used) and its config;
 - the bitsandbytes quantizers: ``prepare_meta(model, *, device)`` (what ``prepare()`` does to
   dtypes, trainability and checkpointing on that device) and ``weight_bytes(model)`` (the weights as stored);
+  the other quantizers' ``weight_bytes`` is :func:`packed_weight_bytes` over their own ``packed_bytes``;
 - trainers ``sft`` and ``pretrain`` (TRL's SFTTrainer): ``memory_settings()``,
   ``activation_bytes(...)``, ``optimizer_bytes(...)`` and ``runtime_bytes(...)``.
 
@@ -210,7 +211,9 @@ def _not_converted(model: Any, skip: list[str]) -> set[str]:
     return keep | set(tower) | set(projector)
 
 
-def _quantized_linears(model: Any, skip: list[str]) -> dict[str, Any]:
+def convertible_linears(model: Any, skip: list[str]) -> dict[str, Any]:
+    """The linear layers transformers' quantizers convert, by path: every ``nn.Linear`` but the ones
+    :func:`_not_converted` keeps (the output head, tied weights, ``skip``, a VLM's vision parts)."""
     import torch
 
     keep = _not_converted(model, skip)
@@ -237,9 +240,20 @@ def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu") -> int:
     o = quantizer.options
     if device == "cuda" or getattr(quantizer, "bits", 4) != 4:
         return 0
-    quantized = _quantized_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
+    quantized = convertible_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
     size = 2 if getattr(o, "bnb_4bit_compute_dtype", "auto") in ("bfloat16", "float16") else 4
     return sum(m.weight.numel() for m in quantized.values()) * size
+
+
+def packed_weight_bytes(model: Any, packed: Any, skip: list[str]) -> int:
+    """Bytes of a model whose linear layers a quantizer stores packed: ``packed(shape, scale_size)`` for each
+    layer it converts (the ones transformers' quantizers convert, less ``skip``), with its scales in the
+    layer's dtype of ``scale_size`` bytes; every other weight and buffer at its dtype."""
+    quantized = convertible_linears(model, skip)
+    ids = {id(m.weight) for m in quantized.values()}
+    total = sum(packed(tuple(m.weight.shape), m.weight.element_size()) for m in quantized.values())
+    total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in ids)
+    return total + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 BNB_BASE = "_ftcore_bnb_bits"  # on a meta model whose linear layers bitsandbytes would hold: their bits
@@ -279,7 +293,7 @@ def bnb_weight_bytes(quantizer: Any, model: Any) -> int:
     (fp32 where the quantizer keeps the non-quantized weights in fp32, else the model's)."""
     o = quantizer.options
     bits = getattr(quantizer, "bits", 4)
-    quantized = _quantized_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
+    quantized = convertible_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
     skipped = set()
     total = 0
     for m in quantized.values():

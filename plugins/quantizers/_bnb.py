@@ -1,79 +1,52 @@
 """What the bitsandbytes quantizers (``bnb-nf4``, ``bnb-fp4``, ``bnb-int8``) share: the
-plan checks, ``load_kwargs()`` and the QLoRA preparation of the loaded model.
+bitsandbytes side of the QLoRA preparation of the loaded model (the plan checks and ``load_kwargs()``
+are every quantizer's: ``_base.py``).
 
 The weights are quantized as transformers loads them (``quantization_config``), so only a
 model loader that passes ``load_kwargs()`` to ``from_pretrained`` can use these quantizers:
 ``hf`` does; ``scratch`` builds a random model from a config and is refused (see
-:meth:`BnbQuantizer.check`). ``prepare()`` checks that the weights really came out quantized,
+:meth:`WeightQuantizer.check`). ``prepare()`` checks that the weights really came out quantized,
 so a third-party loader that drops ``load_kwargs()`` fails at once, not after training.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, ClassVar, Literal
 
-from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
+from ftcore_plugins.quantizers._base import QuantizerOptions, WeightQuantizer, compute_dtype, keep_trainable_fp32
 
 log = logging.getLogger("ftcore")
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-# Model loaders that build their model from a config rather than loading a checkpoint:
-# there is nothing pretrained to quantize, and every weight must train.
-NOT_QUANTIZABLE = {"scratch": "it builds a randomly initialised model whose every weight must train"}
 
-class BnbOptions(Options):
+class BnbOptions(QuantizerOptions):
     """Options every bitsandbytes quantizer takes (transformers' ``BitsAndBytesConfig`` names)."""
 
-    gradient_checkpointing: bool = True  # non-reentrant, turned on by prepare(); off trades memory for speed
     fp32_non_quantized: bool | None = None  # norms, embeddings, LM head in fp32; unset: the device's (CPU yes, CUDA no)
 
 
-class BnbQuantizer(Component):
+class BnbQuantizer(WeightQuantizer):
     """Base of the bitsandbytes quantizers; subclasses set ``name``, ``bits`` and ``Options``."""
 
     bits: ClassVar[int] = 4
     Options = BnbOptions
-
-    # -- before anything loads -------------------------------------------------------------
-    def check(self, plan: Any) -> list[str]:
-        bits = f"{self.bits}-bit"
-        problems = []
-        loader = plan.model.name
-        if loader in NOT_QUANTIZABLE:
-            problems.append(f"quantizer '{self.name}' cannot quantize [model] use = \"{loader}\": "
-                            f"{NOT_QUANTIZABLE[loader]}; quantize a pretrained checkpoint with "
-                            "[model] use = \"hf\", or use [quantizer] use = \"none\"")
-        previous = None
-        for stage in plan.stages:
-            adapter = stage.adapter
-            if not getattr(adapter.reg.cls, "peft", False):
-                problems.append(f"stage '{stage.name}' uses adapter '{adapter.name}', which trains the base weights; "
-                                f"{bits} weights cannot be trained, so train a peft adapter on them "
-                                "(adapter = \"lora\"), or use [quantizer] use = \"none\"")
-            elif previous is not None and getattr(previous.reg.cls, "peft", False) and not (
-                    previous.reg is adapter.reg and previous.options == adapter.options):
-                problems.append(f"stage '{stage.name}' changes the adapter, which would merge the previous one into "
-                                f"the {bits} base weights (re-quantizing them rounds away much of the update); "
-                                "give every stage the same adapter, or use [quantizer] use = \"none\"")
-            previous = adapter
-        # No export check: the merging exporters (merged, onnx) fold the adapter into the base loaded again
-        # at full precision, never into the quantized weights.
-        return problems
+    linear_only = "transformers' bitsandbytes integration quantizes linear layers only"
 
     # -- loading ---------------------------------------------------------------------------
     def bnb_config(self):  # pragma: no cover - overridden
         raise NotImplementedError
 
-    def load_kwargs(self) -> dict:
-        kwargs: dict[str, Any] = {"quantization_config": self.bnb_config()}
-        device_map = _device_map()
-        if device_map is not None:
-            kwargs["device_map"] = device_map
-        return kwargs
+    def quantization_config(self):
+        return self.bnb_config()
+
+    def quantized_modules(self, model) -> list[str]:
+        import bitsandbytes as bnb
+
+        kinds = (bnb.nn.Linear4bit,) if self.bits == 4 else (bnb.nn.Linear8bitLt,)
+        return [path for path, m in model.named_modules() if isinstance(m, kinds)]
 
     def prepare(self, model):
         """QLoRA preparation: every base weight frozen, non-reentrant gradient checkpointing, no KV
@@ -85,6 +58,18 @@ class BnbQuantizer(Component):
                               f"loaded in {self.bits}-bit); use a loader that passes load_kwargs() to "
                               "from_pretrained, such as [model] use = \"hf\"")
         quantized_nothing(model, self.name, self.bits)
+        self.freeze(model)
+        # A KV cache is useless in training and conflicts with checkpointing. generate() still
+        # uses one: it follows generation_config.use_cache, not config.use_cache.
+        model.config.use_cache = False
+        keep_trainable_fp32(model)
+        keep_cpu_layout_trainable(model)
+        line = self.unquantized_experts(model)
+        if line:
+            log.info(line)
+        return model
+
+    def freeze(self, model) -> None:
         from ftcore_plugins.common.device_defaults import training_device
 
         if self.keeps_fp32(training_device()):
@@ -93,31 +78,13 @@ class BnbQuantizer(Component):
             # Freezes every base weight, upcasts fp16/bf16 non-quantized weights (norms, embeddings,
             # lm_head) to fp32 and turns on non-reentrant gradient checkpointing (no input-grad hook
             # needed with use_reentrant=False).
-            model = prepare_model_for_kbit_training(
+            prepare_model_for_kbit_training(
                 model, use_gradient_checkpointing=self.options.gradient_checkpointing,
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
             # The same without the upcast, as TRL's SFTTrainer leaves them: fp32 copies of a 128k-vocabulary
             # 8B model's embeddings and head are 4.2 GB, and fp32 norms make the residual stream fp32 too.
-            for p in model.parameters():
-                p.requires_grad_(False)
-            if self.options.gradient_checkpointing:
-                # Non-reentrant, as above: gradients reach the adapters inside a block whose input needs
-                # none (peft adds its input-grad hook for reentrant checkpointing only).
-                enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
-                if enable is not None:
-                    enable(activation_checkpointing_kwargs={"use_reentrant": False})
-                else:  # pragma: no cover - older transformers
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # A KV cache is useless in training and conflicts with checkpointing. generate() still
-        # uses one: it follows generation_config.use_cache, not config.use_cache.
-        model.config.use_cache = False
-        keep_trainable_fp32(model)
-        keep_cpu_layout_trainable(model)
-        line = unquantized_experts(model, self.name)
-        if line:
-            log.info(line)
-        return model
+            super().freeze(model)
 
     def keeps_fp32(self, device: str) -> bool:
         """Whether prepare() upcasts the non-quantized weights on ``device`` ("cpu", "cuda"): the
@@ -142,57 +109,6 @@ class BnbQuantizer(Component):
         from ftcore_plugins.common.estimate import bnb_step_bytes
 
         return bnb_step_bytes(self, model, device=device)
-
-    def weight_notes(self, model) -> list[str]:
-        line = unquantized_experts(model, self.name, counted=True)
-        return [line] if line else []
-
-
-def unquantized_experts(model: Any, quantizer: str, *, counted: bool = False) -> str | None:
-    """One line on a mixture-of-experts model's routed experts stored as 3-D parameters, which stay at full
-    precision: transformers' bitsandbytes integration replaces linear layers only (bitsandbytes' own
-    ``replace_parameter_4bit`` quantizes such parameters, but neither transformers' loading nor peft's LoRA on
-    parameters, ``ParamWrapper``, works with it: docs/methods.md). ``counted``: worded for ``ftcore estimate``."""
-    from ftcore_plugins.common.experts import expert_parameters
-
-    experts = expert_parameters(model)
-    if not experts:
-        return None
-    n = sum(p.numel() for p in experts.values())
-    size = sum(p.numel() * p.element_size() for p in experts.values())
-    dtypes = ", ".join(sorted({str(p.dtype).replace("torch.", "") for p in experts.values()}))
-    return (f"quantizer '{quantizer}': the routed experts ({n:,} parameters in {len(experts)} tensors, "
-            f"{size / 2**30:.2f} GiB) stay in {dtypes}" + (", and are counted so" if counted else "")
-            + ": transformers' bitsandbytes integration quantizes linear layers only")
-
-
-def keep_trainable_fp32(model) -> None:
-    """Keep trainable parameters (the adapter) in fp32 while training a quantized model.
-
-    peft creates LoRA weights on a k-bit base in fp32 (``autocast_adapter_dtype=True``), but
-    TRL's trainers cast every trainable parameter of a quantized model to bf16 when they are
-    constructed. bf16 cannot hold the small updates of a low learning rate, so adapters would
-    stop learning; the QLoRA recipe keeps them in fp32 (the compute dtype only applies to the
-    k-bit matmuls). A forward pre-hook on the decoder (transformers' ``base_model``, which
-    every forward reaches through ``__call__``; peft's wrappers call ``forward`` directly and
-    skip hooks on the outer model) casts them back before the first training step, so
-    gradients and optimizer state are fp32 too.
-    """
-    import torch
-
-    def upcast(module, args):
-        if not module.training:
-            return
-        for p in model.parameters():
-            if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16):
-                p.data = p.data.to(torch.float32)
-
-    # Not the input embeddings: a template that adds tokens replaces that module after prepare().
-    decoder = getattr(model, "base_model", None)
-    decoder = model if decoder is None else decoder
-    if not getattr(decoder, "_ftcore_keep_fp32", False):
-        decoder.register_forward_pre_hook(upcast)
-        decoder._ftcore_keep_fp32 = True
 
 
 def keep_cpu_layout_trainable(model) -> None:
@@ -226,26 +142,6 @@ def quantized_nothing(model: Any, quantizer: str, bits: int) -> None:
     raise FtcoreError(f"quantizer '{quantizer}': bitsandbytes quantized no layer of this {model_type} model (its "
                       f"linear layers are {', '.join(linear) or 'none'}, which transformers' bitsandbytes "
                       "integration does not replace); use [quantizer] use = \"none\" to train at full precision")
-
-
-def compute_dtype(name: str):
-    """``auto``: bf16 on a CUDA GPU that supports it (as the trainers' ``precision = "auto"``), else fp32."""
-    import torch
-
-    if name == "auto":
-        cuda = torch.cuda.is_available()
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
-    return getattr(torch, name)
-
-
-def _device_map() -> dict | None:
-    """One whole model per process on its own GPU under torchrun/accelerate (DDP); otherwise
-    transformers places a quantized model on the current device (or the CPU) by itself."""
-    import torch
-
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and torch.cuda.is_available():
-        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
-    return None
 
 
 def four_bit_config(quant_type: str, o: Any):

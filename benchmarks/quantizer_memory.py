@@ -136,7 +136,7 @@ def held_bytes(model) -> dict[str, int]:
     import torch
 
     seen_storage: set[int] = set()
-    seen_obj: set[int] = set()
+    seen_obj: dict[int, object] = {}  # the objects too, so that no id is reused by a later temporary
     libraries = ("bitsandbytes", "hqq", "optimum", "torchao")
 
     def tensor(t) -> int:
@@ -154,7 +154,7 @@ def held_bytes(model) -> dict[str, int]:
     def walk(obj, depth: int) -> int:
         if id(obj) in seen_obj or depth > 8 or isinstance(obj, torch.nn.Module):
             return 0
-        seen_obj.add(id(obj))
+        seen_obj[id(obj)] = obj
         if isinstance(obj, torch.Tensor):
             return tensor(obj)
         if isinstance(obj, dict):
@@ -169,10 +169,9 @@ def held_bytes(model) -> dict[str, int]:
     for module in model.modules():
         own = {k: v for k, v in vars(module).items() if k not in ("_modules", "_parameters", "_buffers")}
         n = walk(module._parameters, 0) + walk(module._buffers, 0) + walk(own, 0)
-        weight = getattr(module, "weight", None) if "weight" in module._parameters else None
-        plain = isinstance(weight, torch.Tensor) and type(weight) in (torch.Tensor, torch.nn.Parameter) and \
-            weight.is_floating_point()
-        if n and not plain and module._parameters.keys() | own.keys() & {"weight", "W_q"}:
+        weight = module._parameters.get("weight", module._parameters.get("W_q"))
+        plain = type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_floating_point()
+        if weight is not None and not plain:
             quantized += n
         total += n
     return {"total": total, "quantized": quantized}

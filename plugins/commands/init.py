@@ -74,7 +74,7 @@ def count_rows(path: Path) -> int | None:
 
 def schedule(rows: int, adapter: str) -> tuple[float, int, str]:
     """(learning rate, epochs, why) for this much data and this method."""
-    base = 2e-4 if adapter in ("lora", "qlora") else 2e-5
+    base = 2e-5 if adapter == "full" else 2e-4
     if rows < 1_000:
         return base * 1.5, 8, f"{rows:,} rows is small: a higher learning rate and 5-10 epochs"
     if rows <= 10_000:
@@ -98,7 +98,7 @@ def method(gb: float) -> tuple[str, str]:
 class Choice:
     """What ``fit`` chose for the memory at hand, and the estimate that says it fits."""
 
-    method: str  # qlora, lora or full
+    method: str  # full, lora, or a quantized method (QUANTIZED)
     batch: int
     accumulation: int
     max_length: int
@@ -121,7 +121,7 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
     rlhf = is_rlhf(a)
     if choice is not None:
         how, why_method = choice.method, f"{a.gpu_memory_gb:g} GB of GPU memory: see the estimate above"
-    elif how == "qlora" and rlhf:
+    elif how in QUANTIZED and rlhf:
         # The reward stage builds its model from a copy of the policy's weights, which 4-bit weights
         # cannot give: the smallest method all three stages share is LoRA with checkpointing.
         how, why_method = "lora", (why_method + "; but SFT -> reward -> PPO needs full-precision weights (the "
@@ -147,17 +147,17 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
         lines += ['dtype = "bfloat16"   # half the memory of fp32 weights, and what LoRA trains against']
     lines += ["", "[template]", 'use = "native"   # the tokenizer\'s own chat template', ""]
     lines += [f"# {why_method}"]
-    if how == "qlora":
-        lines += ["[quantizer]", 'use = "bnb-nf4"', "bnb_4bit_use_double_quant = true", ""]
+    if how in QUANTIZED:
+        lines += ["[quantizer]", *QUANTIZED[how][0], ""]
     if how == "full":
         lines += ["[adapter]", 'use = "full"', ""]
     else:
-        r = (choice.r if choice is not None else None) or (16 if how == "qlora" else 32)
+        r = (choice.r if choice is not None else None) or (16 if how in QUANTIZED else 32)
         lines += ["[adapter]", 'use = "lora"', f"r = {r}", f"lora_alpha = {2 * r}   # alpha = 2r, a common default",
                   'target_modules = "all-linear"   # every linear layer but lm_head', ""]
     lines += ["[data.train]", 'use = "json"' if a.data.endswith(".json") else 'use = "jsonl"',
               f'path = "{a.data}"', "validation = 0.05   # held out: evaluated as \"train:validation\"", ""]
-    tight = how == "qlora" or (rlhf and a.gpu_memory_gb < 16)
+    tight = how in QUANTIZED or (rlhf and a.gpu_memory_gb < 16)
     common = [f"epochs = {epochs}   # {why_schedule}", f"learning_rate = {lr:g}",
               f"gradient_checkpointing = {'true' if tight else 'false'}" + (
                   "   # trades compute for activation memory" if tight else "")]
@@ -219,11 +219,29 @@ EFFECTIVE_BATCH = 16  # samples per optimizer step, kept as the batch shrinks (g
 MARGIN = 0.10  # of the GPU memory left free: the estimate's error and the allocator's fragmentation
 LENGTHS = (2048, 1024, 512)
 BATCHES = (8, 4, 2, 1)
+# The quantized methods, leanest last: each one's [quantizer] lines and how the why-line names it. The 8-bit
+# base comes before QLoRA (closer to the original weights); HQQ's 3 and 2 bits after it, where hqq is installed.
+QUANTIZED = {
+    "lora-int8": (['use = "bnb-int8"'], "the 8-bit quantizer"),
+    "qlora": (['use = "bnb-nf4"', "bnb_4bit_use_double_quant = true"], "the 4-bit quantizer"),
+    "qlora-hqq3": (['use = "hqq"', "nbits = 3"], "the 3-bit quantizer"),
+    "qlora-hqq2": (['use = "hqq"', "nbits = 2", "group_size = 32"], "the 2-bit quantizer"),
+}
+NEEDS = {"qlora-hqq3": "hqq", "qlora-hqq2": "hqq"}  # the package a method's quantizer needs beyond ftcore's own
+
+
+def quantized_methods() -> list[str]:
+    """The quantized methods whose quantizer is installed, in ``QUANTIZED``'s order."""
+    import importlib.util
+
+    return [m for m in QUANTIZED if m not in NEEDS or importlib.util.find_spec(NEEDS[m]) is not None]
+
+
 # QLoRA's leaner settings, in order of preference, before a shorter max_length: (r, optimizer, activation
 # offloading), None the default. The QLoRA recipe's paged 8-bit AdamW (2 bytes of state a parameter against
 # 8), then offloading (a copy of each layer's input to the host and back, a step), then rank 8.
-LEANER = {"qlora": ((None, None, False), (None, "paged_adamw_8bit", False), (None, "paged_adamw_8bit", True),
-                    (8, "paged_adamw_8bit", True))}
+LEANER = {m: ((None, None, False), (None, "paged_adamw_8bit", False), (None, "paged_adamw_8bit", True),
+              (8, "paged_adamw_8bit", True)) for m in ("qlora", "qlora-hqq3", "qlora-hqq2")}
 
 
 # Trainers sequence parallelism runs with (plugins/trainers/_sequence_parallel.py, SEQUENCE_PARALLEL_TRAINERS).
@@ -284,10 +302,10 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
     # write_plan's stage: pretrain for raw text or a domain shift, else SFT unless the data is for alignment
     trainer_ok = a.goal == "domain" or a.kind == "text" or not (a.goal == "alignment" or a.kind == "preferences")
     sizes = sp_sizes(attention_heads(a.model, out.resolve().parent, config), trainer_ok) if max_length else [1]
-    methods = ("full", "lora", "qlora")
+    methods = ("full", "lora", *quantized_methods())
     order = list(methods[methods.index(method(a.gpu_memory_gb)[0]):])
     if is_rlhf(a):
-        order = [m for m in order if m != "qlora"] or ["lora"]  # the reward model copies full-precision weights
+        order = [m for m in order if m not in QUANTIZED] or ["lora"]  # the reward model copies full-precision weights
     with tempfile.TemporaryDirectory(prefix="ftcore-init-", dir=out.resolve().parent) as tmp:
         # The candidates sit in a folder beside the plan: its relative paths are rewritten for them.
         home = out.resolve().parent
@@ -314,7 +332,7 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
             return estimate.peak
 
         # DeepSpeed does not shard 4-bit weights: split across GPUs, the leanest method is LoRA on a bf16 base.
-        split_order = [m for m in order if m != "qlora"] or ["lora"]
+        split_order = [m for m in order if m not in QUANTIZED] or ["lora"]
         for sp, how in ((sp, how) for sp in sizes for how in (order if sp == 1 else split_order)):
             if sp > 1 and lengths[-1] % sp:
                 continue  # each process takes an equal slice of a row
@@ -327,7 +345,7 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
             if p > budget:
                 continue
             # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
-            checkpointings = (True,) if how == "qlora" else (False, True)
+            checkpointings = (True,) if how in QUANTIZED else (False, True)
             for length, checkpointing, (r, optimizer, offload), batch in itertools.product(lengths, checkpointings, variants,
                                                                                  BATCHES):
                 choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [], r, optimizer,
@@ -346,10 +364,10 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
                        f"attention heads) at max_length {length} ({sp} chosen: the context does not fit one GPU),"]
                       if sp > 1 else []),
                     f"  method {' > '.join(order if sp == 1 else split_order)} ({how} chosen"
-                    + ("; QLoRA's 4-bit weights DeepSpeed does not shard" if sp > 1 and "qlora" in order else "")
+                    + ("; quantized weights DeepSpeed does not shard" if sp > 1 and set(order) & set(QUANTIZED) else "")
                     + "), then max_length "
                     f"{' > '.join(map(str, lengths))} ({length}), then "
-                    + ("gradient checkpointing on (the 4-bit quantizer's own)" if how == "qlora" else
+                    + (f"gradient checkpointing on ({QUANTIZED[how][1]}'s own)" if how in QUANTIZED else
                        f"gradient checkpointing off > on ({'on' if checkpointing else 'off'})")
                     + f"{leaner}, then batch {' > '.join(map(str, BATCHES))} "
                     f"({batch}, accumulating {choice.accumulation} for an effective batch of "

@@ -824,3 +824,22 @@ def test_sequence_parallel_memory_tiny_mode(tmp_path):
     assert f"4,096 tokens: SP2/SP1 activation memory per rank {row['ratio']:.3f} measured" in out
     sp2 = next(r for r in measured["runs"] if r["arm"] == "sp2" and r["length"] == 4096)
     assert any(a.startswith("sequence parallel sp_size 2") for a in sp2["estimate_axes"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "tokenizers" / "qwen25").exists(), reason="../shared fixtures absent")
+def test_quantizer_memory_tiny_mode(tmp_path):
+    """Issue #44's memory table, shortened (six `ftcore run`s of one step: minutes): a row per quantizer with
+    what was measured, and every quantized model holds fewer weight bytes than the unquantized one."""
+    out = bench("quantizer_memory.py", "--tiny", "--jsonl", str(tmp_path / "r.jsonl"), timeout=1800)
+    runs = {r["config"]: r for r in json_lines(tmp_path / "r.jsonl")}
+    assert list(runs) == ["none", "bnb-nf4", "hqq", "torchao-int8", "quanto-int8", "quanto-int4"]
+    rows = {r[0]: r for r in table_rows(out) if r[0] != "quantizer"}
+    assert list(rows) == list(runs)
+    assert runs["none"]["quantized_bytes"] == 0
+    for config, r in runs.items():
+        assert rows[config][1:3] == [f"{r['weights_bytes'] / 2**20:,.1f}", f"{r['estimate_weights_bytes'] / 2**20:,.1f}"]
+        assert rows[config][5] == f"{r['trained_peak_rss_mib']:,.0f}" and r["trained_peak_rss_mib"] > 0
+        assert r["weights_ratio"] == r["estimate_weights_bytes"] / r["weights_bytes"]
+        if config != "none":
+            assert 0 < r["quantized_bytes"] and r["weights_bytes"] < runs["none"]["weights_bytes"], config

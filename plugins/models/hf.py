@@ -15,7 +15,7 @@ from ftcore.errors import FtcoreError, PlanError
 
 from ftcore_plugins.common.model import _in_hub_cache, _offline, resolve_model_path
 from ftcore_plugins.common.seq2seq import FAMILIES, config_encoder_decoder, model_config
-from ftcore_plugins.models import _checks
+from ftcore_plugins.models import _checks, _prequantized
 from ftcore_plugins.models._attention import Attention, attention_problem
 from ftcore_plugins.models._rope import RopeScaling, model_problem, scale, transformers_refusal
 
@@ -51,8 +51,11 @@ class HFModelLoader(Component):
         if o.tokenizer and Path(o.tokenizer).is_absolute() and Path(o.tokenizer).exists():
             problem = _checks.tokenizer_folder_problem(Path(o.tokenizer), explicit=True)
             problems += [f"tokenizer: {problem}"] if problem else []
+        config = model_config(o.path, o.revision)
         if o.rope_scaling is not None:
-            problems += self._rope_problems(model_config(o.path, o.revision))
+            problems += self._rope_problems(config)
+        where = Path(o.path) / "config.json" if Path(o.path).is_dir() else f"{o.path}'s config.json"
+        problems += [f"path: {p}" for p in _prequantized.problems(config, plan, str(where))]
         return problems
 
     def _rope_problems(self, config: dict | None) -> list[str]:
@@ -210,7 +213,8 @@ class HFModelLoader(Component):
 
         o = self.options
         tokenizer = self.load_tokenizer(ctx)
-        kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs()}
+        kwargs = {"dtype": o.dtype, **ctx.quantizer.load_kwargs(),
+                  **_prequantized.load_kwargs(model_config(o.path, o.revision))}
         if o.attn_implementation:
             kwargs["attn_implementation"] = o.attn_implementation
         d = getattr(getattr(getattr(ctx, "run", None), "plan", None), "distributed", None)

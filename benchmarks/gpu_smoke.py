@@ -17,7 +17,8 @@ line (``--jsonl``); the exit status is 1 when any failed. The checks, in order:
    Llama 3 tokenizer (128,256 tokens; ../shared/fixtures, else the run says which it used), through
    ``ftcore run``: LoRA, full and QLoRA (bnb-nf4), packed and unpacked, with every ``auto`` default, and
    ``packed_attention = "sdpa_block"``, ``loss_kernel = "chunked"``, ``liger = true`` and
-   ``optimizer = "adamw_torch_fused"`` spelled out. Each arm: the run ends, every logged loss is finite,
+   ``optimizer = "adamw_torch_fused"`` spelled out; on a GPU, LoRA on hqq, torchao (int8, int4, float8),
+   quanto int4 and fp8 weights too. Each arm: the run ends, every logged loss is finite,
    and what an ``auto`` arm chose (``loss_kernel``, ``packed_attention``, ``optimizer`` in its
    metrics) is the device's default. Each arm is a fork of this process: no patch (Liger's) or compiled
    graph leaks from one arm into the next.
@@ -69,7 +70,19 @@ ARMS = {
     "qlora-packed": ("qlora", True, "", False, True),
     "qlora-unpacked": ("qlora", False, "", False, True),
     "lora-packed-liger": ("lora", True, "liger = true", True, False),  # Liger's layer kernels: CUDA only
+    # LoRA on the other quantizers (issue #44). tests/test_quantizer_methods.py trains the ones a CPU runs;
+    # here they run on the GPU only, beside the CUDA-only types.
+    "hqq-unpacked": ("hqq", False, "", True, False),
+    "torchao-int8-unpacked": ("torchao-int8", False, "", True, False),
+    "torchao-int4-unpacked": ("torchao-int4", False, "", True, False),
+    "torchao-float8-unpacked": ("torchao-float8", False, "", True, False),
+    "quanto-int4-unpacked": ("quanto-int4", False, "", True, False),
+    "fp8-unpacked": ("fp8", False, "", True, False),
 }
+# Each quantized method's [quantizer] table.
+QUANTIZERS = {"qlora": 'use = "bnb-nf4"', "hqq": 'use = "hqq"', "torchao-int8": 'use = "torchao"',
+              "torchao-int4": 'use = "torchao"\nweights = "int4"', "torchao-float8": 'use = "torchao"\nweights = "float8"',
+              "quanto-int4": 'use = "quanto"\nweights = "int4"', "fp8": 'use = "fp8"'}
 class Checks:
     """Each check's line on stdout and in the JSON lines, as it finishes; failures counted."""
 
@@ -164,7 +177,7 @@ def train_arm(name: str, model_dir: Path, rows: Path, work: Path, gpu: bool, max
     plan = work / f"{name}.toml"
     plan.write_text(HF_SFT_PLAN.format(
         name=name, model=model_dir, rows=rows, dtype="bfloat16" if gpu else "float32", model_extra="",
-        quantizer='[quantizer]\nuse = "bnb-nf4"' if method == "qlora" else "", adapter=adapter, max_steps=STEPS,
+        quantizer=f"[quantizer]\n{QUANTIZERS[method]}" if method in QUANTIZERS else "", adapter=adapter, max_steps=STEPS,
         batch_size=batch_size, max_length=max_length, learning_rate=1e-3, packing="true" if packing else "false",
         stage_extra=extra))
     run_dir = Path(run_ftcore(plan)["run_dir"])

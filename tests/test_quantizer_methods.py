@@ -121,6 +121,8 @@ def test_a_two_stage_plan_trains_on_each_cpu_quantizer_and_the_merged_export_loa
     assert export["max_abs_logit_diff"] <= export["tolerance"] == 1e-4
     error = export["max_abs_logit_diff_vs_quantized_adapter"]
     assert 1e-4 < error < 5, export  # the quantized model the run trained differs from the merge by its rounding
+    print(f"\n{case}: sft loss {sft[0]:.3f} -> {sft[-1]:.3f}, dpo loss {dpo[0]:.4f} -> {dpo[-1]:.4f}, merge "
+          f"{export['max_abs_logit_diff']:.2g}, quantization error {error:.3g}")  # RESULTS.md's table (-s)
     card = (merged / "README.md").read_text()
     assert f"| max_abs_logit_diff_vs_quantized_adapter | {error:.4g} |" in card
     config = json.loads((merged / "config.json").read_text())

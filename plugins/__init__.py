@@ -88,6 +88,7 @@ COMPONENTS = (
     "ftcore_plugins.evaluators.lm_eval",
     "ftcore_plugins.exporters.onnx",
     "ftcore_plugins.exporters.gguf",
+    "ftcore_plugins.exporters.torchao",
     "ftcore_plugins.exporters.mlflow",
 )
 

@@ -133,6 +133,40 @@ def test_a_two_stage_plan_trains_on_each_cpu_quantizer_and_the_merged_export_loa
     assert not torch.equal(model.model.layers[0].mlp.down_proj.weight, reference.model.layers[0].mlp.down_proj.weight)
 
 
+@pytest.mark.slow
+def test_the_torchao_export_reloads_quantized_in_transformers_and_states_its_error(project):
+    """A LoRA run's ``torchao`` export beside its ``merged`` one: int8 weights that transformers reloads as they
+    were saved, whose logits differ from the merged model's by the quantization error the card states."""
+    pytest.importorskip("torchao")
+    import torch
+    from torchao.quantization import Int8Tensor
+    from transformers import AutoModelForCausalLM
+
+    body = two_stage_plan('use = "none"').replace('[[export]]\nuse = "merged"\n',
+                                                  '[[export]]\nuse = "merged"\n\n[[export]]\nuse = "torchao"\n')
+    (project / "plan.toml").write_text(body.replace("max_steps = 10", "max_steps = 4").replace("max_steps = 6",
+                                                                                             "max_steps = 2"))
+    result = run_cli("run", "plan.toml", cwd=project)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    exports = project / "runs" / "q" / "exports"
+    config = json.loads((exports / "torchao" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "torchao"
+    quantized = AutoModelForCausalLM.from_pretrained(exports / "torchao").eval()
+    merged = AutoModelForCausalLM.from_pretrained(exports / "merged").eval()
+    assert isinstance(quantized.model.layers[0].mlp.down_proj.weight, Int8Tensor)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3, 150, 60]])
+    with torch.no_grad():
+        error = (quantized(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
+    assert 1e-5 < error < 0.5, error
+    card = (exports / "torchao" / "README.md").read_text()
+    stated = float(re.search(r"\| max_abs_logit_diff_vs_merged \(quantization error\) \| ([0-9.e-]+) \|", card)[1])
+    reloaded = float(re.search(r"\| max_abs_logit_diff_reloaded \| ([0-9.e-]+) \|", card)[1])
+    assert reloaded == 0 and 1e-5 < stated < 0.5, card
+    files = sorted(p.name for p in (exports / "torchao").iterdir())
+    assert "model.safetensors" in files and not any(p.startswith(".torchao-") for p in files)
+    assert not any(p.name.startswith(".torchao-") for p in exports.iterdir())
+
+
 @pytest.mark.parametrize("case", list(ON_CPU))
 def test_each_quantizer_trains_lora_through_its_own_layer_and_the_estimate_counts_its_bytes(tiny_llama, case):
     """In-process: the quantized layers are the library's, peft wraps them in its matching LoRA layer, the

@@ -1,0 +1,105 @@
+"""Exporter ``torchao``: the merged model with its linear layers quantized by torchao (weight-only int8; int4 on a
+CUDA GPU), as a transformers folder that ``from_pretrained`` reloads quantized (its ``quantization_config``
+says how), with its tokenizer and a model card.
+
+The adapter is merged and verified as ``merged`` does (:func:`merge_verified`). The merged model is written at
+full precision to a scratch folder beside the export, loaded again through ``TorchAoConfig`` (transformers
+quantizes it as it loads, as the ``torchao`` quantizer does) and saved. The export is then reloaded on its own:
+its logits must equal the quantized model's within ``tolerance``, and their difference from the merged model's,
+the quantization error, is recorded in the card.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+import ftcore
+from ftcore.component import Component, Options
+from ftcore.errors import FtcoreError
+
+from ftcore_plugins.common.seq2seq import auto_class
+from ftcore_plugins.exporters._card import card_path, write_card
+from ftcore_plugins.exporters.merged import USAGE, logits, max_abs_diff, merge_verified, verification_inputs
+
+PIP = "pip install 'ftcore[quantize]'"
+# torchao's int4 weight-only layouts run on CUDA only (plugins/quantizers/torchao.py says what stops them on a CPU).
+CUDA_ONLY = {"int4": "torchao's int4 weight-only layouts run on CUDA only (\"Requires mslk >= 1.0.0\" on a CPU)"}
+
+
+class TorchaoExporter(Component):
+    """The merged model with torchao weight-only quantized linear layers, reloadable by transformers."""
+
+    name = "torchao"
+    merges = True  # runs after the exports that need the adapter model, and merges it in place
+
+    class Options(Options):
+        weights: Literal["int8", "int4"] = "int8"
+        group_size: int = Field(128, ge=16)  # int4 only: weights sharing one scale and zero point
+        # Max abs logit difference allowed between the export reloaded and the model quantized in memory (the
+        # same weights: a reload changes nothing), and for the merge before it.
+        tolerance: float = Field(1e-4, ge=0)
+
+    def check(self, plan) -> list[str]:
+        import importlib.util
+
+        from ftcore_plugins.common.memory import gpu_visible
+
+        problems = [] if importlib.util.find_spec("torchao") else [f"use: exporter 'torchao' needs torchao: {PIP}"]
+        why = CUDA_ONLY.get(self.options.weights)
+        if why and not gpu_visible():
+            problems.append(f"weights: \"{self.options.weights}\": {why}; use weights = \"int8\" on this machine")
+        return problems
+
+    def config(self):
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        o = self.options
+        return TorchAoConfig(Int8WeightOnlyConfig() if o.weights == "int8" else Int4WeightOnlyConfig(
+            group_size=o.group_size))
+
+    def export(self, ctx):
+        merged, verification = merge_verified(ctx, "auto", self.options.tolerance, self.name)
+        inputs = verification_inputs(ctx)
+        full = logits(merged, inputs)
+        model_cls = auto_class(merged.config)
+        ctx.path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".torchao-", dir=ctx.path.parent))
+        try:
+            merged.save_pretrained(scratch)
+            quantized = model_cls.from_pretrained(scratch, quantization_config=self.config(),
+                                                  dtype=next(merged.parameters()).dtype)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        quantized_logits = logits(quantized, inputs)
+        ctx.path.mkdir(parents=True, exist_ok=True)
+        quantized.save_pretrained(ctx.path)
+        ctx.tokenizer.save_pretrained(ctx.path)
+        del quantized
+        reloaded = model_cls.from_pretrained(ctx.path)
+        diff = max_abs_diff(logits(reloaded, inputs), quantized_logits)
+        error = max_abs_diff(quantized_logits, full)
+        verification.update({"quantization": f"torchao {self.options.weights} weight-only",
+                             "max_abs_logit_diff_reloaded": diff,
+                             "max_abs_logit_diff_vs_merged (quantization error)": error})
+        ctx.reporter.log(f"export:{ctx.name}", {"max_abs_logit_diff_reloaded": diff, "quantization_error": error})
+        if diff > self.options.tolerance:
+            shutil.rmtree(ctx.path, ignore_errors=True)
+            raise FtcoreError(f"exporter 'torchao': the export reloaded gives logits {diff:.3g} away from the model "
+                              f"quantized in memory, above tolerance {self.options.tolerance:g}; nothing was kept")
+        usage = USAGE.format(path=card_path(ctx), auto=model_cls.__name__)
+        write_card(ctx.path, ctx, title=f"torchao {self.options.weights} model", library="transformers",
+                   tags=["torchao", self.options.weights], usage=usage, verification=verification)
+        ctx.reporter.info(f"torchao: {self.options.weights} export reloaded within {diff:.3g}; quantization error "
+                          f"{error:.3g} (max abs logit difference from the merged model)")
+        return ctx.path
+
+
+@ftcore.hookimpl
+def register_exporters(register):
+    register(TorchaoExporter)

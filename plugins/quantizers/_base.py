@@ -105,13 +105,7 @@ class WeightQuantizer(Component):
         non-reentrant gradient checkpointing and turn off the KV cache; trainable parameters are kept in
         fp32 through training (:func:`keep_trainable_fp32`)."""
         model = self.quantize(model)
-        quantized = self.quantized_modules(model)
-        if not quantized:
-            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-            raise FtcoreError(f"quantizer '{self.name}' quantized no layer of this {model_type} model; use a loader "
-                              "that passes load_kwargs() to from_pretrained, such as [model] use = \"hf\", or "
-                              "[quantizer] use = \"none\" to train at full precision")
-        log.info(f"quantizer '{self.name}': {len(quantized)} layers hold {self.weights} weights")
+        self.verify(model)
         self.freeze(model)
         # A KV cache is useless in training and conflicts with checkpointing. generate() still
         # uses one: it follows generation_config.use_cache, not config.use_cache.
@@ -121,6 +115,17 @@ class WeightQuantizer(Component):
         if line:
             log.info(line)
         return model
+
+    def verify(self, model) -> None:
+        """Refuse a model in which nothing came out quantized (a loader that dropped ``load_kwargs()``, a family
+        whose layers the library does not convert), else log how many layers were."""
+        quantized = self.quantized_modules(model)
+        if not quantized:
+            model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+            raise FtcoreError(f"quantizer '{self.name}' quantized no layer of this {model_type} model; use a loader "
+                              "that passes load_kwargs() to from_pretrained, such as [model] use = \"hf\", or "
+                              "[quantizer] use = \"none\" to train at full precision")
+        log.info(f"quantizer '{self.name}': {len(quantized)} layers hold {self.weights} weights")
 
     def freeze(self, model) -> None:
         """Every base weight frozen, left in the model's dtype (as TRL's SFTTrainer leaves them), and

@@ -11,13 +11,10 @@ so a third-party loader that drops ``load_kwargs()`` fails at once, not after tr
 
 from __future__ import annotations
 
-import logging
 from typing import Any, ClassVar, Literal
 
 from ftcore.errors import FtcoreError
-from ftcore_plugins.quantizers._base import QuantizerOptions, WeightQuantizer, compute_dtype, keep_trainable_fp32
-
-log = logging.getLogger("ftcore")
+from ftcore_plugins.quantizers._base import QuantizerOptions, WeightQuantizer, compute_dtype
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -48,28 +45,17 @@ class BnbQuantizer(WeightQuantizer):
         kinds = (bnb.nn.Linear4bit,) if self.bits == 4 else (bnb.nn.Linear8bitLt,)
         return [path for path, m in model.named_modules() if isinstance(m, kinds)]
 
-    def prepare(self, model):
-        """QLoRA preparation: every base weight frozen, non-reentrant gradient checkpointing, no KV
-        cache; the non-quantized weights in fp32 or left in the model's dtype
-        (:meth:`keeps_fp32`); trainable parameters kept in fp32 through training."""
+    def verify(self, model) -> None:
         flag = "is_loaded_in_4bit" if self.bits == 4 else "is_loaded_in_8bit"
         if not getattr(model, flag, False):
             raise FtcoreError(f"quantizer '{self.name}': the model loader ignored the quantizer (the model is not "
                               f"loaded in {self.bits}-bit); use a loader that passes load_kwargs() to "
                               "from_pretrained, such as [model] use = \"hf\"")
         quantized_nothing(model, self.name, self.bits)
-        self.freeze(model)
-        # A KV cache is useless in training and conflicts with checkpointing. generate() still
-        # uses one: it follows generation_config.use_cache, not config.use_cache.
-        model.config.use_cache = False
-        keep_trainable_fp32(model)
-        keep_cpu_layout_trainable(model)
-        line = self.unquantized_experts(model)
-        if line:
-            log.info(line)
-        return model
 
     def freeze(self, model) -> None:
+        """QLoRA preparation: the base frozen with the non-quantized weights in fp32 or left in the model's dtype
+        (:meth:`keeps_fp32`), non-reentrant checkpointing, bitsandbytes' trainable CPU layout kept."""
         from ftcore_plugins.common.device_defaults import training_device
 
         if self.keeps_fp32(training_device()):
@@ -85,6 +71,7 @@ class BnbQuantizer(WeightQuantizer):
             # The same without the upcast, as TRL's SFTTrainer leaves them: fp32 copies of a 128k-vocabulary
             # 8B model's embeddings and head are 4.2 GB, and fp32 norms make the residual stream fp32 too.
             super().freeze(model)
+        keep_cpu_layout_trainable(model)
 
     def keeps_fp32(self, device: str) -> bool:
         """Whether prepare() upcasts the non-quantized weights on ``device`` ("cpu", "cuda"): the

@@ -84,13 +84,13 @@ def test_the_qlora_estimate_leaves_the_vision_tower_unquantized():
     estimate counts 4-bit weights for the language model's linear layers only."""
     from test_vision_labels import built
 
-    from ftcore_plugins.common.estimate import _quantized_linears
+    from ftcore_plugins.common.estimate import convertible_linears
     from ftcore_plugins.common.vision import keep_vision_unquantized, vision_parts
 
     for family in ("llava", "qwen2_5_vl"):
         model, _ = built(family)
         tower, projector = vision_parts(model)
-        quantized = _quantized_linears(model, [])
+        quantized = convertible_linears(model, [])
         assert quantized and all(".language_model." in path for path in quantized), sorted(quantized)[:5]
         from transformers import BitsAndBytesConfig
 

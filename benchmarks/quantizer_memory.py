@@ -39,14 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _bench import SHARED, machine  # noqa: E402
+from real_size import ALPACA, QWEN, QWEN25_05B, TINY  # noqa: E402 - the same model and data
 
-QWEN = SHARED / "tokenizers" / "qwen25"
-ALPACA = SHARED / "data" / "alpaca_en_demo.json"
-QWEN25_05B = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-              "intermediate_size": 4864, "vocab_size": 151936, "max_position_embeddings": 32768,
-              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu"}
-TINY = {**QWEN25_05B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "intermediate_size": 128}
 MiB = 2**20
 TOLERANCE = 0.15  # the issue's: the estimate within 15% of what was measured
 

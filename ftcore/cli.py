@@ -58,21 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # instead of spinning. Spinning threads make a run beside other busy processes several times
     # slower (benchmarks/contention.py); a user's own setting wins. Workers inherit it.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    quiet_imports()
     return _main(argv)
-
-
-# Loggers that speak while a library merely imports: torchao 0.18 (which transformers and peft import where it
-# is installed) names the CUDA-only extensions it cannot load on this machine, and torch 2.13 warns about
-# torchao's enums. A user's one-line error must stay one line; the libraries' errors still get through.
-QUIET_ON_IMPORT = ("torchao", "torch.utils._pytree")
-
-
-def quiet_imports() -> None:
-    import logging
-
-    for name in QUIET_ON_IMPORT:
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _main(argv: list[str]) -> int:

@@ -8,6 +8,13 @@ that kind uses; ``common/`` holds what several kinds share. Heavy libraries are 
 methods, so listing plugins stays fast.
 """
 
+import logging
+
+# torchao (which transformers and peft import where it is installed) logs the CUDA-only extensions it lacks, and
+# torch its enums, as they import: a user's one-line error must stay one line. Set before any of them loads.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
 # One module per component (or plan section), registered by module path.
 COMPONENTS = (
     "ftcore_plugins.models.hf",

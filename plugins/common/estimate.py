@@ -274,11 +274,9 @@ def bnb_prepare_meta(quantizer: Any, model: Any, *, device: str = "cpu") -> Any:
         if upcast and p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.to(torch.float32)
     if getattr(quantizer.options, "gradient_checkpointing", True):
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:  # pragma: no cover - older transformers
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from ftcore_plugins.common.model import checkpointing_on
+
+        checkpointing_on(model)
     model.config.use_cache = False
     setattr(model, BNB_BASE, getattr(quantizer, "bits", 4))
     return model

@@ -106,3 +106,13 @@ def transformers_source(model_type: str, kind: str = "modeling") -> str:
         return "\n".join(f.read_text(encoding="utf-8") for f in sorted(folder.glob(f"{kind}_*.py")))
     except OSError:
         return ""
+
+
+def checkpointing_on(model: Any) -> None:
+    """Non-reentrant gradient checkpointing: gradients reach adapters inside a block whose input needs none
+    (peft adds its input-grad hook for reentrant checkpointing only)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:  # pragma: no cover - older transformers
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

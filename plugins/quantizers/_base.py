@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from ftcore.component import Component, Options
 from ftcore.errors import FtcoreError
+from ftcore_plugins.common.model import checkpointing_on
 
 log = logging.getLogger("ftcore")
 
@@ -160,10 +161,7 @@ class WeightQuantizer(Component):
         raise NotImplementedError
 
     def prepare_meta(self, model, *, device: str = "cpu"):
-        for p in model.parameters():
-            p.requires_grad_(False)
-        if self.options.gradient_checkpointing:
-            checkpointing_on(model)
+        self.freeze(model)  # what prepare() does to trainability and checkpointing; the packed bytes: weight_bytes
         model.config.use_cache = False
         return model
 
@@ -184,14 +182,6 @@ class WeightQuantizer(Component):
 def grouped_bytes(n: int, group_size: int, bits: float, per_group: int) -> int:
     """``n`` weights at ``bits`` each, plus ``per_group`` bytes of scale and zero point per group."""
     return math.ceil(n * bits / 8) + math.ceil(n / group_size) * per_group
-
-
-def checkpointing_on(model) -> None:
-    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x's name
-    if enable is not None:
-        enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:  # pragma: no cover - older transformers
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def keep_trainable_fp32(model) -> None:

@@ -1,5 +1,5 @@
 """Exporter ``torchao``: the merged model with its linear layers quantized by torchao (weight-only int8; int4 on a
-CUDA GPU), as a transformers folder that ``from_pretrained`` reloads quantized (its ``quantization_config``
+CUDA GPU; after a stage trained with ``qat``, that stage's scheme), as a transformers folder that ``from_pretrained`` reloads quantized (its ``quantization_config``
 says how), with its tokenizer and a model card.
 
 The adapter is merged and verified as ``merged`` does (:func:`merge_verified`). The merged model is written at
@@ -38,7 +38,8 @@ class TorchaoExporter(Component):
     merges = True  # runs after the exports that need the adapter model, and merges it in place
 
     class Options(Options):
-        weights: Literal["int8", "int4"] = "int8"
+        # auto: the scheme of the run's last stage that trained with qat (plugins/common/qat.py), else int8
+        weights: Literal["auto", "int8", "int4"] = "auto"
         group_size: int = Field(128, ge=16)  # int4 only: weights sharing one scale and zero point
         # Max abs logit difference allowed between the export reloaded and the model quantized in memory (the
         # same weights: a reload changes nothing), and for the merge before it.
@@ -55,15 +56,32 @@ class TorchaoExporter(Component):
             problems.append(f"weights: \"{self.options.weights}\": {why}; use weights = \"int8\" on this machine")
         return problems
 
-    def config(self):
+    def scheme(self, plan) -> tuple[str, str]:
+        """What the export quantizes to, for messages and the card, and for :meth:`config`: ``("qat", ...)`` for
+        the scheme a stage trained for, else the ``weights`` option's."""
+        from ftcore_plugins.common.qat import plan_qat
+
+        found = plan_qat(plan) if self.options.weights == "auto" else None
+        if found is not None:
+            stage, qat = found
+            return "qat", f"torchao {qat.describe()}, the scheme stage '{stage}' trained for (QAT)"
+        weights = "int8" if self.options.weights == "auto" else self.options.weights
+        return weights, f"torchao {weights} weight-only"
+
+    def config(self, plan):
         from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
         from transformers import TorchAoConfig
 
-        o = self.options
-        return TorchAoConfig(Int8WeightOnlyConfig() if o.weights == "int8" else Int4WeightOnlyConfig(
-            group_size=o.group_size))
+        from ftcore_plugins.common.qat import base_config, plan_qat
+
+        weights, _ = self.scheme(plan)
+        if weights == "qat":
+            return TorchAoConfig(base_config(plan_qat(plan)[1]))
+        return TorchAoConfig(Int8WeightOnlyConfig() if weights == "int8" else Int4WeightOnlyConfig(
+            group_size=self.options.group_size))
 
     def export(self, ctx):
+        weights, described = self.scheme(ctx.run.plan)
         merged, verification = merge_verified(ctx, "auto", self.options.tolerance, self.name)
         inputs = verification_inputs(ctx)
         full = logits(merged, inputs)
@@ -72,7 +90,7 @@ class TorchaoExporter(Component):
         scratch = Path(tempfile.mkdtemp(prefix=".torchao-", dir=ctx.path.parent))
         try:
             merged.save_pretrained(scratch)
-            quantized = model_cls.from_pretrained(scratch, quantization_config=self.config(),
+            quantized = model_cls.from_pretrained(scratch, quantization_config=self.config(ctx.run.plan),
                                                   dtype=next(merged.parameters()).dtype)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -84,7 +102,7 @@ class TorchaoExporter(Component):
         reloaded = model_cls.from_pretrained(ctx.path)
         diff = max_abs_diff(logits(reloaded, inputs), quantized_logits)
         error = max_abs_diff(quantized_logits, full)
-        verification.update({"quantization": f"torchao {self.options.weights} weight-only",
+        verification.update({"quantization": described,
                              "max_abs_logit_diff_reloaded": diff,
                              "max_abs_logit_diff_vs_merged (quantization error)": error})
         ctx.reporter.log(f"export:{ctx.name}", {"max_abs_logit_diff_reloaded": diff, "quantization_error": error})
@@ -93,9 +111,10 @@ class TorchaoExporter(Component):
             raise FtcoreError(f"exporter 'torchao': the export reloaded gives logits {diff:.3g} away from the model "
                               f"quantized in memory, above tolerance {self.options.tolerance:g}; nothing was kept")
         usage = USAGE.format(path=card_path(ctx), auto=model_cls.__name__)
-        write_card(ctx.path, ctx, title=f"torchao {self.options.weights} model", library="transformers",
-                   tags=["torchao", self.options.weights], usage=usage, verification=verification)
-        ctx.reporter.info(f"torchao: {self.options.weights} export reloaded within {diff:.3g}; quantization error "
+        title = "torchao QAT model" if weights == "qat" else f"torchao {weights} model"
+        write_card(ctx.path, ctx, title=title, library="transformers",
+                   tags=["torchao", weights], usage=usage, verification=verification)
+        ctx.reporter.info(f"torchao: {described}: export reloaded within {diff:.3g}; quantization error "
                           f"{error:.3g} (max abs logit difference from the merged model)")
         return ctx.path
 

@@ -18,6 +18,7 @@ from ftcore_plugins.common.model import strip_forward_patches, trainable_counts
 from ftcore_plugins.trainers._compile import compile_problem, compiled_blocks
 from ftcore_plugins.trainers._optimizers import optimizer_arguments, optimizer_name, optimizer_problem
 from ftcore_plugins.trainers._router import OPTION as ROUTER_AUX, apply_router_aux, router_problems
+from ftcore_plugins.trainers._qat import fake_quantized
 from ftcore_plugins.trainers._sequence_parallel import plan_problems as sequence_parallel_problems
 from ftcore_plugins.trainers._tiled_mlp import plan_problems as tiled_mlp_problems, tiled_mlps
 
@@ -419,12 +420,16 @@ def run_trainer(ctx: Any, o: TrainOptions, trainer_cls: type, config_cls: type, 
                 p.data = p.data.float()
     totals.start()
     try:
-        # Tiled before compiling, so that the compiled blocks run the tiled MLPs; both undone after training.
-        with stop, tiled_mlps(trainer.model, o.tiled_mlp, stage=ctx.stage, reporter=ctx.reporter,
-                              distributed_engine=ctx.run.world_size == 1 or trainer.is_deepspeed_enabled) as tiled, \
+        # Fake-quantized and tiled before compiling, so that the compiled blocks run them; all undone after training.
+        with stop, fake_quantized(trainer.model, getattr(o, "qat", None), stage=ctx.stage,
+                                  reporter=ctx.reporter) as qat_layers, \
+                tiled_mlps(trainer.model, o.tiled_mlp, stage=ctx.stage, reporter=ctx.reporter,
+                           distributed_engine=ctx.run.world_size == 1 or trainer.is_deepspeed_enabled) as tiled, \
                 compiled_blocks(trainer.model, o.compile) as compiled:
             if o.compile:
                 ctx.reporter.log(ctx.stage, {"compiled_blocks": compiled}, step=0)
+            if qat_layers:
+                ctx.reporter.log(ctx.stage, {"qat_layers": qat_layers}, step=0)
             result = trainer.train(resume_from_checkpoint=str(ctx.resume_from) if ctx.resume_from else None)
         if o.tiled_mlp:  # the most shards a training forward used (1: every row no longer than hidden_size)
             ctx.reporter.log(ctx.stage, {"tiled_mlp_layers": tiled["layers"], "tiled_mlp_shards": tiled["shards"]},

@@ -23,21 +23,25 @@ from ftcore_plugins.trainers._hybrid import packing_model_problem
 from ftcore_plugins.trainers._loss import LossOptions, across_ranks, full_cross_entropy, \
     loss_problems, record_token_metrics, resolve_kernel, sharded_head, with_chunked_loss
 from ftcore_plugins.common.device_defaults import defaults, device_type, optimizer_for, training_device
+from ftcore_plugins.common.qat import QatOptions
 from ftcore_plugins.trainers._packing import BINNED, PACKED_PATHS, choose_path, fixed_width, passed_over, \
     path_problem, with_packed_attention
+from ftcore_plugins.trainers._qat import plan_problems as qat_problems
 from ftcore_plugins.trainers._router import stage_coefficient
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 from ftcore_plugins.trainers._vision import image_rows, save_processor, vision_splits, vision_trl
 
 
 class SFTOptions(TrainOptions, LossOptions):
-    """The ``sft`` stage's options: the shared training options, the loss's, and these three."""
+    """The ``sft`` stage's options: the shared training options, the loss's, and these."""
 
     train_on_inputs: bool = False  # also train on system/user tokens
     truncation: Literal["truncate_response", "truncate_prompt", "drop"] = "truncate_response"
     packing: bool = False  # best-fit packing, position ids reset per sample (no cross-sample attention)
     # the attention of packed batches; auto: the device's fastest that runs (docs/trainers.md)
     packed_attention: Literal[("auto", *PACKED_PATHS)] = "auto"  # type: ignore[valid-type]
+    # quantization-aware training (torchao): the linear layers train fake-quantized to this scheme
+    qat: QatOptions | None = None
 
 
 class SFT(TrainChecks, TrainerMemory, Component):
@@ -61,7 +65,7 @@ class SFT(TrainChecks, TrainerMemory, Component):
 
     def check(self, plan: Any) -> list[str]:
         o = self.options
-        problems = [*super().check(plan), *loss_problems(o)]
+        problems = [*super().check(plan), *loss_problems(o), *qat_problems(self, plan)]
         path = getattr(o, "packed_attention", "auto")
         if path != "auto" and (problem := path_problem(path, device_type())):
             problems.append(f"packed_attention: {problem}; use \"auto\" (the fastest path this machine runs)")

@@ -34,7 +34,7 @@ quantizer      ``prepare_meta(model, *, device) -> model``       the model uncha
 quantizer      ``weight_bytes(model) -> int``                    ``load_kwargs()``'s
                                                                  ``quantization_config`` sized by
                                                                  transformers, else numel x dtype
-quantizer      ``step_bytes(model, *, device) -> int``           0: what a training step needs for
+quantizer      ``step_bytes(model, *, device, tokens) -> int``   0: what a training step needs for
                                                                  the quantized weights, beyond the
                                                                  activations
 quantizer      ``weight_notes(model) -> list[str]``              none: what its weights count that a
@@ -339,7 +339,7 @@ def _stage(plan: Any, stage: Any, loader: Any, quantizer: Any, device: str, call
     fn = _optional(quantizer, "step_bytes")
     if fn is not None:
         with calling(plan.quantizer, "step_bytes"):
-            step = int(_call(fn, model, device=device))
+            step = int(_call(fn, model, device=device, tokens=settings.batch_size * settings.seq_len))
     before = _param_bytes(model)
     residue = 0
     fn = _optional(loader, "checkpoint_residue_bytes")

@@ -226,23 +226,47 @@ def convertible_linears(model: Any, skip: list[str]) -> dict[str, Any]:
             if isinstance(m, torch.nn.Linear) and path and not kept(path)}
 
 
-def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu") -> int:
-    """Heap a training step keeps on CPU for 4-bit weights, beyond the activations.
+# Of the dequantized copies a step makes, the share its peak keeps: fitted on Qwen2.5-0.5B's config at
+# 2 x 512 tokens (benchmarks/RESULTS.md, "Quantizer memory"), where the measured excess over the rest of
+# the estimate was 0.74 to 0.99 of one copy of every quantized weight, by quantizer.
+DEQUANT_RESIDUE = 0.85
 
-    Without a 4-bit CPU kernel, bitsandbytes dequantizes each weight to the compute dtype for every
-    matmul (forward, the checkpointed recompute, backward). The copies are freed at once, but below
-    glibc's largest mmap threshold (32 MiB) they live on the heap, and interleaved with the
-    activations they fragment it: the step's peak grows by about one dequantized copy of every
-    quantized weight (on Qwen2.5-0.5B's config at 24 and 12 layers the rest of the estimate fell short
-    by 0.78 and 1.0 of it: benchmarks/RESULTS.md, "A 0.5B-class model end to end"). A smaller model's
-    copies the heap may reuse instead (54.8M parameters: the estimate is then 19% high). On CUDA the
-    caching allocator reuses them. 8-bit: not measured, counted as nothing."""
-    o = quantizer.options
-    if device == "cuda" or getattr(quantizer, "bits", 4) != 4:
+
+def dequantized_step_bytes(model: Any, skip: list[str], *, device: str = "cpu", tokens: int = 0,
+                           size: int | None = None) -> int:
+    """Heap a training step keeps on CPU for weights that are dequantized for every matmul, beyond the
+    activations.
+
+    Without a CPU kernel for the packed format (bitsandbytes 4-bit, HQQ, torchao's and Quanto's
+    weight-only layouts), each quantized weight is dequantized to ``size``-byte values (default: its
+    dtype) for every matmul: forward, the checkpointed recompute, backward. The copies are freed at once,
+    but below glibc's largest mmap threshold (32 MiB) they live on the heap, and where the step's
+    activations outgrow them (``tokens`` x the widest layer's outputs above its largest copy), they are
+    interleaved and fragment the heap: the peak then grows by :data:`DEQUANT_RESIDUE` of one copy of
+    every quantized weight. Below that, the heap reuses the copies' space for the activations (the
+    estimate without them was within 5% for every quantizer at 2 x 256 tokens). On CUDA the caching
+    allocator reuses them: 0."""
+    if device == "cuda" or tokens <= 0:
         return 0
-    quantized = convertible_linears(model, list(getattr(o, "llm_int8_skip_modules", None) or []))
+    linears = [m.weight for m in convertible_linears(model, skip).values()]
+    if not linears:
+        return 0
+    copies = [w.numel() * (size or w.element_size()) for w in linears]
+    widest = max(w.shape[0] * (size or w.element_size()) for w in linears)
+    if tokens * widest <= max(copies):
+        return 0
+    return int(DEQUANT_RESIDUE * sum(copies))
+
+
+def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu", tokens: int = 0) -> int:
+    """:func:`dequantized_step_bytes` for bitsandbytes: 4-bit weights, in the compute dtype. 8-bit
+    (int8 matmuls on its own kernel): not measured, counted as nothing."""
+    o = quantizer.options
+    if getattr(quantizer, "bits", 4) != 4:
+        return 0
     size = 2 if getattr(o, "bnb_4bit_compute_dtype", "auto") in ("bfloat16", "float16") else 4
-    return sum(m.weight.numel() for m in quantized.values()) * size
+    return dequantized_step_bytes(model, list(getattr(o, "llm_int8_skip_modules", None) or []),
+                                  device=device, tokens=tokens, size=size)
 
 
 def packed_weight_bytes(model: Any, packed: Any, skip: list[str]) -> int:

@@ -170,6 +170,11 @@ class WeightQuantizer(Component):
 
         return packed_weight_bytes(model, self.packed_bytes, self.estimate_skip())
 
+    def step_bytes(self, model, *, device: str = "cpu", tokens: int = 0) -> int:
+        from ftcore_plugins.common.estimate import dequantized_step_bytes
+
+        return dequantized_step_bytes(model, self.estimate_skip(), device=device, tokens=tokens)
+
     def estimate_skip(self) -> list[str]:
         """Module names the options keep unquantized, as ``ftcore estimate`` should count them."""
         return []

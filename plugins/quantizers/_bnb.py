@@ -92,10 +92,10 @@ class BnbQuantizer(WeightQuantizer):
 
         return bnb_weight_bytes(self, model)
 
-    def step_bytes(self, model, *, device: str = "cpu") -> int:
+    def step_bytes(self, model, *, device: str = "cpu", tokens: int = 0) -> int:
         from ftcore_plugins.common.estimate import bnb_step_bytes
 
-        return bnb_step_bytes(self, model, device=device)
+        return bnb_step_bytes(self, model, device=device, tokens=tokens)
 
 
 def keep_cpu_layout_trainable(model) -> None:

@@ -18,8 +18,8 @@ line (``--jsonl``); the exit status is 1 when any failed. The checks, in order:
    ``ftcore run``: LoRA, full and QLoRA (bnb-nf4), packed and unpacked, with every ``auto`` default, and
    ``packed_attention = "sdpa_block"``, ``loss_kernel = "chunked"``, ``liger = true`` and
    ``optimizer = "adamw_torch_fused"`` spelled out; on a GPU, LoRA on hqq, torchao (int8, int4, float8),
-   quanto int4 and fp8 weights too. Each arm: the run ends, every logged loss is finite,
-   and what an ``auto`` arm chose (``loss_kernel``, ``packed_attention``, ``optimizer`` in its
+   quanto int4 and fp8 weights too, and QAT (int4 weights, full and LoRA). Each arm: the run ends, every
+   logged loss is finite, and what an ``auto`` arm chose (``loss_kernel``, ``packed_attention``, ``optimizer`` in its
    metrics) is the device's default. Each arm is a fork of this process: no patch (Liger's) or compiled
    graph leaks from one arm into the next.
 5. ``packed-equals-unpacked``: the same 12 samples, as padded rows and as packed bins through each packed
@@ -78,6 +78,10 @@ ARMS = {
     "torchao-float8-unpacked": ("torchao-float8", False, "", True, False),
     "quanto-int4-unpacked": ("quanto-int4", False, "", True, False),
     "fp8-unpacked": ("fp8", False, "", True, False),
+    # QAT (torchao's fake-quantized int4 weights, issue #44): tests/test_qat.py trains it on a CPU.
+    "full-qat-unpacked": ("full", False, 'qat = { weights = "int4", group_size = 32 }', True, False),
+    "lora-qat-unpacked": ("lora", False, 'qat = { weights = "int4", group_size = 32, activations = "int8" }', True,
+                          False),
 }
 # Each quantized method's [quantizer] table.
 QUANTIZERS = {"qlora": 'use = "bnb-nf4"', "hqq": 'use = "hqq"', "torchao-int8": 'use = "torchao"',

@@ -167,6 +167,9 @@ def test_a_full_fine_tune_with_qat_exports_exactly_the_model_it_trained(project)
     with torch.no_grad():
         gap = (quantized(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item()
     assert gap < 1e-5, gap
+    error = next(r for r in rows if r.get("stage") == "export:torchao" and "quantization_error" in r)
+    print(f"\nfull + qat int4/32: sft loss {loss[0]:.3f} -> {loss[-1]:.3f}; the export against the merged model "
+          f"fake-quantized: {gap:.2g}; quantization error {error['quantization_error']:.3g}")  # RESULTS.md (-s)
     card = (exports / "torchao" / "README.md").read_text()
     assert "int4 weights in groups of 32, the scheme stage 'sft' trained for (QAT)" in card
     assert float(re.search(r"\| max_abs_logit_diff_reloaded \| ([0-9.e-]+) \|", card)[1]) == 0
@@ -188,6 +191,8 @@ def test_lora_with_qat_and_int8_activations_trains_and_exports_its_scheme(projec
     assert any(r.get("qat_layers") == 14 for r in rows)  # the base layers, not the adapter's
     export = next(r for r in rows if r.get("stage") == "export:torchao" and "quantization_error" in r)
     assert export["max_abs_logit_diff_reloaded"] == 0 and 0 < export["quantization_error"] < 1, export
+    print(f"\nlora + qat int4/32, int8 activations: sft loss {loss[0]:.3f} -> {loss[-1]:.3f}; quantization error "
+          f"{export['quantization_error']:.3g}")  # RESULTS.md (-s)
     quantized = AutoModelForCausalLM.from_pretrained(run / "exports" / "torchao")
     assert isinstance(quantized.model.layers[0].self_attn.q_proj.weight, IntxUnpackedToInt8Tensor)
     card = (run / "exports" / "torchao" / "README.md").read_text()

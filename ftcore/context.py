@@ -135,6 +135,7 @@ class ExportContext:
     # load_model("base" or "<stage>"), as EvalContext's: an adapter export names its exact base so.
     adapter_from: int = -1
     load_model: Callable[[str], tuple[Any, Any]] | None = None
+    load_data: Callable[[str], Any] | None = None  # as EvalContext's: calibration rows, say
     # For an exporter that merges (``merges = True`` on its class; it runs after those that do not):
     # ``consume``: the run has no further use for ``model`` as it is, so merge it in place (no copy)
     # and set ``merged`` to the merged model, which the exports after this one get. ``last``: none

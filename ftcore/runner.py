@@ -375,7 +375,7 @@ class Runner:
                                 load_full_precision_base=lambda: self._full_precision_base(where),
                                 final_path=path, adapter_from=where.adapter_from, load_model=self.model_at,
                                 consume=merges, last=last, release_model=self._release_live if merges else None,
-                                exports={k: Path(v) for k, v in self.exports.items()})
+                                exports={k: Path(v) for k, v in self.exports.items()}, load_data=self._load_data)
             state = None
             if self.info.is_main:
                 rundir.remove(partial)  # a killed export's leftover

@@ -96,6 +96,7 @@ COMPONENTS = (
     "ftcore_plugins.exporters.onnx",
     "ftcore_plugins.exporters.gguf",
     "ftcore_plugins.exporters.torchao",
+    "ftcore_plugins.exporters.autoround",
     "ftcore_plugins.exporters.mlflow",
 )
 

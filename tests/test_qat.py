@@ -125,7 +125,8 @@ def test_a_peft_model_trains_fake_quantized_base_layers_and_gets_them_back(tiny_
     assert not any(type(m).__name__ == "FakeQuantizedLinear" for m in model.modules())
     assert all(p is params[n] for n, p in model.named_parameters())
     # What it computed: the base quantized for real (torchao's own PTQ of the scheme) plus the adapter.
-    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(r=4, target_modules="all-linear"))
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
+                               LoraConfig(r=4, target_modules="all-linear"))
     reference.load_state_dict(model.state_dict())
     base = {id(m) for path, m in reference.named_modules() if type(m) is torch.nn.Linear and "lora_" not in path
             and not path.endswith("lm_head")}
@@ -134,6 +135,48 @@ def test_a_peft_model_trains_fake_quantized_base_layers_and_gets_them_back(tiny_
         real = reference(input_ids=ids).logits
     assert (fake - real).abs().max().item() < 1e-5
     assert (fake - plain).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_estimate_counts_what_fake_quantized_layers_keep_for_backward(tiny_llama, checkpointing):
+    """The bytes a training forward saves for backward (saved-tensor hooks, unique storages), with and without
+    ``qat``: the difference is what the estimate adds. With checkpointing: a layer recomputed in backward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ftcore_plugins.common.qat import QatOptions
+    from ftcore_plugins.trainers._qat import activation_bytes, fake_quantized
+
+    class Quiet:
+        def info(self, line):
+            pass
+
+    def saved(model, qat):
+        storages: dict[int, int] = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.tensor([[5, 17, 42, 99, 7, 3, 150, 60]])
+        with fake_quantized(model, qat, stage="sft", reporter=Quiet()):
+            if checkpointing:  # the forward of one decoder layer, as backward recomputes it
+                layer, hidden = model.model.layers[0], torch.randn(1, 8, 64, requires_grad=True)
+                position = model.model.rotary_emb(hidden, torch.arange(8)[None])
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    layer(hidden, position_embeddings=position)
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    model(input_ids=ids, labels=ids)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in params)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).train()
+    options = QatOptions(weights="int4", group_size=32)
+    added = saved(model, options) - saved(model, None)
+    assert added == activation_bytes(options, model, checkpointing), (added, activation_bytes(options, model,
+                                                                                               checkpointing))
+    assert activation_bytes(None, model, checkpointing) == 0
 
 
 @pytest.mark.slow

@@ -36,10 +36,10 @@ def base_config(options: QatOptions) -> Any:
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerGroup
 
-    dtype = torch.int4 if options.weights == "int4" else torch.int8
+    dtype, groups = (torch.int4 if options.weights == "int4" else torch.int8), PerGroup(options.group_size)
     if options.activations == "int8":
-        return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=PerGroup(options.group_size))
-    return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=PerGroup(options.group_size))
+        return Int8DynamicActivationIntxWeightConfig(weight_dtype=dtype, weight_granularity=groups)
+    return IntxWeightOnlyConfig(weight_dtype=dtype, granularity=groups)
 
 
 def plan_qat(plan: Any) -> tuple[str, QatOptions] | None:

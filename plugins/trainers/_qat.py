@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,6 +69,23 @@ def _targets(model: Any) -> dict[str, Any]:
     return {path: m for path, m in model.named_modules()
             if type(m) is torch.nn.Linear and m is not head
             and not any(part.startswith("lora_") for part in path.split("."))}
+
+
+def activation_bytes(options: Any, model: Any, checkpointing: bool) -> int:
+    """What ``qat`` adds to a training step's saved tensors, for ``ftcore estimate`` (``model``: the meta model
+    with its adapter): each fake-quantized layer keeps two weight-sized tensors in the weight's dtype for backward
+    (torchao 0.18's fake quantization), and its fp32 scales twice (counted with saved-tensor hooks,
+    tests/test_qat.py). With checkpointing one decoder layer
+    is recomputed at a time: the largest layer's share."""
+    if options is None or model is None:
+        return 0
+    sizes: dict[str, int] = {}
+    for path, layer in _targets(model).items():
+        block = re.match(r"(.*?\.\d+)(\.|$)", path)  # ...layers.3.mlp.up_proj -> ...layers.3: its decoder layer
+        block = block.group(1) if block else path
+        n = layer.weight.numel()  # two weight-sized tensors, and twice its fp32 scales (one per group)
+        sizes[block] = sizes.get(block, 0) + 2 * n * layer.weight.element_size() + 2 * 4 * -(-n // options.group_size)
+    return (max(sizes.values(), default=0) if checkpointing else sum(sizes.values()))
 
 
 @contextlib.contextmanager

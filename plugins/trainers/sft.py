@@ -26,7 +26,7 @@ from ftcore_plugins.common.device_defaults import defaults, device_type, optimiz
 from ftcore_plugins.common.qat import QatOptions
 from ftcore_plugins.trainers._packing import BINNED, PACKED_PATHS, choose_path, fixed_width, passed_over, \
     path_problem, with_packed_attention
-from ftcore_plugins.trainers._qat import plan_problems as qat_problems
+from ftcore_plugins.trainers._qat import activation_bytes as qat_activation_bytes, plan_problems as qat_problems
 from ftcore_plugins.trainers._router import stage_coefficient
 from ftcore_plugins.trainers._training import TrainChecks, TrainOptions, run_trl, tokenize_splits
 from ftcore_plugins.trainers._vision import image_rows, save_processor, vision_splits, vision_trl
@@ -77,6 +77,14 @@ class SFT(TrainChecks, TrainerMemory, Component):
         elif getattr(o, "packing", False) and (problem := packing_model_problem(plan)):
             problems.append(problem)
         return problems
+
+    def activation_bytes(self, model_config: Any, batch_size: int, seq_len: int, checkpointing: bool, *,
+                         model: Any = None, device: str = "cpu", precision: str = "fp32", row_split: int = 1,
+                         tp_size: int = 1) -> int:
+        """The shared estimate (``TrainerMemory``), plus what ``qat`` keeps for backward."""
+        return super().activation_bytes(model_config, batch_size, seq_len, checkpointing, model=model, device=device,
+                                         precision=precision, row_split=row_split, tp_size=tp_size) + \
+            qat_activation_bytes(getattr(self.options, "qat", None), model, checkpointing)
 
     def train(self, ctx: Any) -> dict[str, Any]:
         self.collator = None  # set by prepare_data for rows with images (trainers/_vision.py)

@@ -32,7 +32,8 @@ CUDA_ONLY = {"int4": "torchao's int4 weight-only layouts run on CUDA only (\"Req
 
 
 class TorchaoExporter(Component):
-    """The merged model with torchao weight-only quantized linear layers, reloadable by transformers."""
+    """The merged model with torchao-quantized linear layers (weight-only, or a QAT stage's scheme), reloadable by
+    transformers."""
 
     name = "torchao"
     merges = True  # runs after the exports that need the adapter model, and merges it in place

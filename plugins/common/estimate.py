@@ -226,10 +226,12 @@ def convertible_linears(model: Any, skip: list[str]) -> dict[str, Any]:
             if isinstance(m, torch.nn.Linear) and path and not kept(path)}
 
 
-# Of the dequantized copies a step makes, the share its peak keeps: fitted on Qwen2.5-0.5B's config at
-# 2 x 512 tokens (benchmarks/RESULTS.md, "Quantizer memory"), where the measured excess over the rest of
-# the estimate was 0.74 to 0.99 of one copy of every quantized weight, by quantizer.
+# Of the dequantized copies a step makes, the share its peak keeps, where a step's activations outgrow the largest
+# copy and where they do not: fitted on Qwen2.5-0.5B's config at 2 x 512 and 2 x 256 tokens over three runs of five
+# quantizers (benchmarks/RESULTS.md, "Quantizer memory"), where the rest of the estimate fell short by 0.43 to 1.10
+# and by -0.01 to 0.48 of one copy of every quantized weight: every peak is then within 13%.
 DEQUANT_RESIDUE = 0.85
+DEQUANT_RESIDUE_REUSED = 0.25
 
 
 def dequantized_step_bytes(model: Any, skip: list[str], *, device: str = "cpu", tokens: int = 0,
@@ -240,12 +242,11 @@ def dequantized_step_bytes(model: Any, skip: list[str], *, device: str = "cpu", 
     Without a CPU kernel for the packed format (bitsandbytes 4-bit, HQQ, torchao's and Quanto's
     weight-only layouts), each quantized weight is dequantized to ``size``-byte values (default: its
     dtype) for every matmul: forward, the checkpointed recompute, backward. The copies are freed at once,
-    but below glibc's largest mmap threshold (32 MiB) they live on the heap, and where the step's
-    activations outgrow them (``tokens`` x the widest layer's outputs above its largest copy), they are
-    interleaved and fragment the heap: the peak then grows by :data:`DEQUANT_RESIDUE` of one copy of
-    every quantized weight. Below that, the heap reuses the copies' space for the activations (the
-    estimate without them was within 5% for every quantizer at 2 x 256 tokens). On CUDA the caching
-    allocator reuses them: 0."""
+    but below glibc's largest mmap threshold (32 MiB) they live on the heap, interleaved with the
+    activations, and fragment it. Where the step's activations outgrow them (``tokens`` x the widest
+    layer's outputs above its largest copy) the peak grows by :data:`DEQUANT_RESIDUE` of one copy of every
+    quantized weight; below that the activations reuse most of the copies' space, and
+    :data:`DEQUANT_RESIDUE_REUSED` stays. On CUDA the caching allocator reuses them: 0."""
     if device == "cuda" or tokens <= 0:
         return 0
     linears = [m.weight for m in convertible_linears(model, skip).values()]
@@ -253,9 +254,8 @@ def dequantized_step_bytes(model: Any, skip: list[str], *, device: str = "cpu", 
         return 0
     copies = [w.numel() * (size or w.element_size()) for w in linears]
     widest = max(w.shape[0] * (size or w.element_size()) for w in linears)
-    if tokens * widest <= max(copies):
-        return 0
-    return int(DEQUANT_RESIDUE * sum(copies))
+    share = DEQUANT_RESIDUE if tokens * widest > max(copies) else DEQUANT_RESIDUE_REUSED
+    return int(share * sum(copies))
 
 
 def bnb_step_bytes(quantizer: Any, model: Any, *, device: str = "cpu", tokens: int = 0) -> int:

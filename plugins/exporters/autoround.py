@@ -98,6 +98,9 @@ class AutoRoundExporter(Component):
     def check(self, plan) -> list[str]:
         problems = [] if importlib.util.find_spec("auto_round") else [f"use: exporter 'autoround' needs auto-round: "
                                                                        f"{PIP}"]
+        if self.options.format == "compressed-tensors" and importlib.util.find_spec("compressed_tensors") is None:
+            problems.append(f"format: \"compressed-tensors\" is written and reloaded with the compressed-tensors "
+                            f"package, which is not installed: {PIP}")
         ref = calibration_ref(plan, self.options.data)
         if ref is None:
             problems.append("data: exporter 'autoround' calibrates on the plan's rows, and the plan has no stage; "

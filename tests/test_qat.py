@@ -66,6 +66,16 @@ def plan(adapter: str = FULL, qat: str = '{ weights = "int4", group_size = 32 }'
     return PLAN.format(adapter=adapter, qat=qat, quantizer=quantizer, lr=lr)
 
 
+class Lines:
+    """The reporter ``fake_quantized`` is given: its info lines, kept."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def info(self, line: str) -> None:
+        self.lines.append(line)
+
+
 @pytest.fixture
 def project(tmp_path, tiny_llama):
     shutil.copytree(tiny_llama, tmp_path / "base")
@@ -97,12 +107,6 @@ def test_a_peft_model_trains_fake_quantized_base_layers_and_gets_them_back(tiny_
     from ftcore_plugins.common.qat import QatOptions, base_config
     from ftcore_plugins.trainers._qat import fake_quantized
 
-    class Log:
-        lines: list[str] = []
-
-        def info(self, line):
-            self.lines.append(line)
-
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama),
                            LoraConfig(r=4, target_modules="all-linear"))
     with torch.no_grad():  # a non-zero adapter, so that it shows in the outputs
@@ -114,14 +118,15 @@ def test_a_peft_model_trains_fake_quantized_base_layers_and_gets_them_back(tiny_
     options = QatOptions(weights="int4", group_size=32)
     with torch.no_grad():
         plain = model(input_ids=ids).logits
-    with fake_quantized(model, options, stage="sft", reporter=Log()) as n:
+    log = Lines()
+    with fake_quantized(model, options, stage="sft", reporter=log) as n:
         kinds = {path: type(m).__name__ for path, m in model.named_modules()}
         with torch.no_grad():
             fake = model(input_ids=ids).logits
     assert n == 14  # 2 layers x (q, k, v, o, gate, up, down)
     assert sum(k == "FakeQuantizedLinear" for k in kinds.values()) == 14
     assert all(k != "FakeQuantizedLinear" for p, k in kinds.items() if "lora_" in p or p.endswith("lm_head"))
-    assert "14 linear layers train fake-quantized to int4 weights in groups of 32" in Log.lines[0]
+    assert "14 linear layers train fake-quantized to int4 weights in groups of 32" in log.lines[0]
     assert not any(type(m).__name__ == "FakeQuantizedLinear" for m in model.modules())
     assert all(p is params[n] for n, p in model.named_parameters())
     # What it computed: the base quantized for real (torchao's own PTQ of the scheme) plus the adapter.
@@ -147,10 +152,6 @@ def test_the_estimate_counts_what_fake_quantized_layers_keep_for_backward(tiny_l
     from ftcore_plugins.common.qat import QatOptions
     from ftcore_plugins.trainers._qat import activation_bytes, fake_quantized
 
-    class Quiet:
-        def info(self, line):
-            pass
-
     def saved(model, qat):
         storages: dict[int, int] = {}
 
@@ -159,7 +160,7 @@ def test_the_estimate_counts_what_fake_quantized_layers_keep_for_backward(tiny_l
             return t
 
         ids = torch.tensor([[5, 17, 42, 99, 7, 3, 150, 60]])
-        with fake_quantized(model, qat, stage="sft", reporter=Quiet()):
+        with fake_quantized(model, qat, stage="sft", reporter=Lines()):
             if checkpointing:  # the forward of one decoder layer, as backward recomputes it
                 layer, hidden = model.model.layers[0], torch.randn(1, 8, 64, requires_grad=True)
                 position = model.model.rotary_emb(hidden, torch.arange(8)[None])

@@ -28,6 +28,7 @@ Set ``FTCORE_TEST_FORKSERVER=0`` to run every command as a plain subprocess.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -54,10 +55,26 @@ def same_imports(env: dict[str, str], reference: dict[str, str]) -> bool:
     """Whether a process started with ``env`` would import the libraries as one started with ``reference``
     did (``PYTHONWARNINGS=ignore`` a child applies itself)."""
     env, reference = with_cli_defaults(env), with_cli_defaults(reference)
-    keys = {k for k in (*env, *reference) if k.upper().startswith(IMPORT_TIME)}
+    keys = {k for k in (*env, *reference) if k.upper().startswith(IMPORT_TIME)} - {"PYTHONPATH"}
     if env.get("PYTHONWARNINGS") == "ignore":
         keys.discard("PYTHONWARNINGS")
-    return all(env.get(k) == reference.get(k) for k in keys)
+    return all(env.get(k) == reference.get(k) for k in keys) and added_path(env, reference) is not None
+
+
+def added_path(env: dict[str, str], reference: dict[str, str]) -> list[str] | None:
+    """The folders ``env``'s PYTHONPATH puts before ``reference``'s (a test's site of plugin packages, which a
+    child puts on its ``sys.path``), or None where the rest differs, or where such a folder holds a module the
+    server imported (a new process would import that one from the folder; a fork keeps the server's)."""
+    mine, theirs = ([p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p] for e in (env, reference))
+    extra = mine[:len(mine) - len(theirs)]
+    if mine[len(extra):] != theirs:
+        return None
+    loaded = {name.partition(".")[0] for name in (*sys.modules, *PRELOAD, "ftcore", "ftcore_plugins")}
+    for folder in extra:
+        with contextlib.suppress(OSError):
+            if any(Path(name).stem in loaded for name in os.listdir(folder)):
+                return None
+    return extra
 
 
 def heavy(args: tuple[str, ...] | list[str]) -> bool:
@@ -75,7 +92,6 @@ def serve(preload: str) -> None:
     """The server's main: import ``preload``, then fork a child per job line on stdin; answer its pid, then
     its exit status, on stdout."""
     import gc
-    import importlib
     import warnings
 
     sys.path.remove(str(Path(__file__).parent))  # a fresh `python -m ftcore` does not see tests/
@@ -166,6 +182,8 @@ def _run_job(job: dict) -> int:
     if job["env"].get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
     sys.path[:] = _AT_START["path"]
+    sys.path[1:1] = added_path(job["env"], _AT_START["env"]) or []  # where a new process puts PYTHONPATH
+    importlib.invalidate_caches()
     subprocess.Popen = ForkingPopen  # the command's own `python -m ftcore ...` and scripts fork from here too
     code = 1
     try:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
 
 import pytest
 
@@ -29,13 +28,9 @@ SHARED = ROOT.parent / "shared" / "fixtures"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Tests that must not run beside each other: torchrun's fixed rendezvous port, and the example plugin
-# packages that tests pip-install into (and remove from) the one shared environment. Each group runs in
-# one worker; every other test goes wherever a worker is free. (xdist's own `xdist_group` marks do not
+# Tests that must not run beside each other: torchrun's fixed rendezvous port. Each group runs in one worker; every other test goes wherever a worker is free. (xdist's own `xdist_group` marks do not
 # reach its scheduler under pytest 9.2, so the scheduling is ours.)
-_SERIAL_GROUPS = {"test_distributed.py": "torchrun", "test_sequence_parallel.py": "torchrun",
-                  **dict.fromkeys(("test_plugin_kit.py", "test_grpo.py", "test_plugin_manager.py",
-                                   "test_example_trainer.py", "test_commands.py", "test_report.py"), "site-packages")}
+_SERIAL_GROUPS = {"test_distributed.py": "torchrun", "test_sequence_parallel.py": "torchrun"}
 
 try:
     from xdist.scheduler import LoadScopeScheduling
@@ -267,40 +262,41 @@ path = "chat_eval.jsonl"
 
 # -- installing an example plugin package for real ----------------------------------------------------
 
-def _example_install_state(dist: str) -> dict | None:
-    code = ("import importlib.metadata as m, json, sys\n"
-            "try:\n    d = m.distribution(sys.argv[1])\n"
-            "except m.PackageNotFoundError:\n    print('null')\n"
-            "else:\n    print(json.dumps({'version': d.version, 'direct_url': d.read_text('direct_url.json')}))\n")
-    out = subprocess.run([sys.executable, "-c", code, dist], capture_output=True, text=True, check=True, cwd="/")
-    return json.loads(out.stdout)
-
-
 def _pip(*args: str) -> None:
     r = subprocess.run([sys.executable, "-m", "pip", *args, "--no-deps", "--no-build-isolation",
                         "--disable-pip-version-check", "-q"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+INSTALLED_SITES: list[str] = []  # what `installed` put on PYTHONPATH, for helpers that build a command's environment
+
+
 @contextlib.contextmanager
 def installed(folder: Path, dist: str, tmp_path: Path):
-    """Install an example plugin package into this interpreter's environment (a real,
-    non-editable pip install of a copy, so the build leaves nothing in the repository), and
-    put back afterwards what was there before."""
-    before = _example_install_state(dist)
-    source = tmp_path / "pkg"
+    """Install an example plugin package for real (a non-editable pip install of a copy, so the build leaves
+    nothing in the repository) into a folder of its own, put first on this process's ``sys.path`` and on the
+    ``PYTHONPATH`` of the commands it starts, as long as the block lasts. Not into the shared environment: the
+    other worker's commands, started while pip was half done, warned that the package failed to import."""
+    source, site = tmp_path / "pkg", tmp_path / "site"
     shutil.copytree(folder, source, ignore=shutil.ignore_patterns("runs", "build", "*.egg-info", "__pycache__"))
-    _pip("install", "--force-reinstall", str(source))
+    _pip("install", "--target", str(site), str(source))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *([saved] if saved else [])])
+    sys.path.insert(0, str(site))
+    INSTALLED_SITES.insert(0, str(site))
+    importlib.invalidate_caches()
     try:
         yield
     finally:
-        if before is None:
-            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", dist],
-                           capture_output=True, timeout=300)
+        INSTALLED_SITES.remove(str(site))
+        sys.path.remove(str(site))
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
         else:
-            direct = json.loads(before["direct_url"] or "null") or {}
-            if direct.get("dir_info", {}).get("editable") and direct.get("url", "").startswith("file://"):
-                _pip("install", "-e", url2pathname(urlparse(direct["url"]).path))
+            os.environ["PYTHONPATH"] = saved
+        for name in [m for m, mod in sys.modules.items() if str(getattr(mod, "__file__", "")).startswith(str(site))]:
+            del sys.modules[name]
+        importlib.invalidate_caches()
 
 
 def computed_once(tmp_path_factory, name: str, compute):

@@ -134,3 +134,19 @@ def test_a_started_command_is_signalled_and_waited_for_as_a_popen_is(server, tmp
     assert proc.wait(timeout=60) == -9 and proc.communicate() == ("", "")
     done = server.run(("run", "missing.toml"), tmp_path, dict(os.environ), timeout=300)
     assert done.returncode == 2 and "missing.toml" in done.stderr
+
+
+def test_a_site_folder_on_pythonpath_forks_unless_it_shadows_what_the_server_imported(tmp_path):
+    """A test's folder of plugin packages on PYTHONPATH goes on a fork's sys.path, as a new process puts it;
+    one holding a module the server imported (a new process would import the folder's) runs as a new process."""
+    from _forkserver import added_path, same_imports
+
+    plugins, shadow = tmp_path / "plugins", tmp_path / "shadow"
+    (plugins / "ftcore_some_plugin").mkdir(parents=True)
+    (plugins / "some_plugin-1.0.dist-info").mkdir()
+    (shadow / "torch").mkdir(parents=True)
+    assert added_path({"PYTHONPATH": str(plugins)}, {}) == [str(plugins)]
+    assert same_imports({"PYTHONPATH": str(plugins)}, {})
+    assert added_path({"PYTHONPATH": f"{plugins}{os.pathsep}{shadow}"}, {}) is None
+    assert not same_imports({"PYTHONPATH": str(shadow)}, {})
+    assert added_path({}, {"PYTHONPATH": str(plugins)}) is None  # the server's own folder taken away

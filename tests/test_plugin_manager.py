@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import forked, installed
+from conftest import INSTALLED_SITES, forked, installed
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "ftcore-example-evaluator"
@@ -74,10 +74,11 @@ def {hook}(register):
 def ftcore_cli(*args: str, cwd: Path, site: Path | None = None, env: dict[str, str] | None = None,
                timeout: float = 3600) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FTCORE_") and k != "PYTHONPATH"}
-    if site is not None:
-        clean["PYTHONPATH"] = str(site)
+    sites = [*([str(site)] if site is not None else []), *INSTALLED_SITES]  # and the example packages installed
+    if sites:
+        clean["PYTHONPATH"] = os.pathsep.join(sites)
     clean.update(env or {})
-    # A fork of the worker's server where nothing read at import differs (a site folder on PYTHONPATH does).
+    # A fork of the worker's server where nothing read at import differs (site folders it puts on sys.path).
     done = forked("run", args, clean, cwd=cwd, timeout=timeout)
     if done is not None:
         return done
@@ -393,10 +394,12 @@ def _example_plan(folder: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_example_evaluator_package_installs_lists_and_runs(tmp_path, example_installed):
-    # Installed for real: importable from outside the source tree, found through its entry point.
+    # Installed for real (pip's copy in the install folder, not the source tree nor the copy pip built from),
+    # found through its entry point.
     where = subprocess.run([sys.executable, "-c", "import ftcore_example_evaluator as m; print(m.__file__)"],
                            capture_output=True, text=True, cwd="/", check=True).stdout.strip()
-    assert Path(where).is_file() and tmp_path not in Path(where).parents and EXAMPLE not in Path(where).parents
+    assert Path(where).is_file() and tmp_path / "site" in Path(where).parents
+    assert tmp_path / "pkg" not in Path(where).parents and EXAMPLE not in Path(where).parents
 
     listing = plugins_json(tmp_path)
     found = [c for c in listing["components"]["evaluator"] if c["name"] == "answer_length"]

@@ -51,13 +51,31 @@ PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "transformers
            "matplotlib.pyplot")
 
 
-def same_imports(env: dict[str, str], reference: dict[str, str]) -> bool:
+# Threads a fork may leave behind: tqdm's monitor, huggingface_hub's telemetry queue (asleep but for a moment).
+IDLE_THREADS = ("tqdm_monitor", "(_telemetry_worker)")
+# Read by huggingface_hub at import; a child whose environment sets one goes offline itself.
+OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# The command line of llama.cpp's converter process (ftcore_plugins.exporters.llama_cpp_converter.BOOT): it imports
+# torch and transformers, then the converter's own gguf, which replaces any the forking process had imported.
+CONVERTER = "from ftcore_plugins.exporters._converter_process import main"
+OWN_MODULES = ("gguf", "conversion")
+
+
+def same_imports(env: dict[str, str], reference: dict[str, str], imported: dict[str, str] | None = None,
+                 applied: dict[str, str] | None = None) -> bool:
     """Whether a process started with ``env`` would import the libraries as one started with ``reference``
-    did (``PYTHONWARNINGS=ignore`` a child applies itself)."""
+    did (``PYTHONWARNINGS=ignore`` and offline mode a child applies itself). ``imported``: the reference's
+    environment after its imports; a variable they set (torch sets ``TORCHINDUCTOR_CACHE_DIR``, DeepSpeed
+    ``PYTORCH_NVML_BASED_CUDA_CHECK``) is no difference where ``env`` has it because a test imported them too.
+    ``applied``: what the forking command set itself and applied to the libraries it had (``ftcore`` quiets
+    them through variables such as ``TRANSFORMERS_VERBOSITY``, and through their own calls)."""
     env, reference = with_cli_defaults(env), with_cli_defaults(reference)
     keys = {k for k in (*env, *reference) if k.upper().startswith(IMPORT_TIME)} - {"PYTHONPATH"}
     if env.get("PYTHONWARNINGS") == "ignore":
         keys.discard("PYTHONWARNINGS")
+    keys -= {k for k in OFFLINE if env.get(k) == "1"}
+    keys -= {k for k in keys if k not in reference and imported and k in imported and env.get(k) == imported[k]}
+    keys -= {k for k in keys if applied and k in applied and env.get(k) == applied[k]}
     return all(env.get(k) == reference.get(k) for k in keys) and added_path(env, reference) is not None
 
 
@@ -104,13 +122,13 @@ def serve(preload: str) -> None:
             importlib.import_module(name)
         except Exception:
             pass
-    _AT_START.update(env=environment, path=list(sys.path), filters=list(warnings.filters))
+    _AT_START.update(env=environment, imported=dict(os.environ), path=list(sys.path), filters=list(warnings.filters))
     # The imports' objects live as long as the server: out of the collector's sight, a child's gc.collect()
     # (ftcore calls it between stages) skips them instead of walking, and copying, the whole heap.
     gc.freeze()
     sys.stdout.flush()
     sys.stderr.flush()
-    proto_out.write("ready\n")
+    proto_out.write(f"ready {json.dumps(_AT_START['imported'])}\n")
     proto_out.flush()
     for line in proto_in:
         pid = fork_job(json.loads(line), close=proto_out)
@@ -147,6 +165,7 @@ def fork_job(job: dict, close=None) -> int:
 def _run_job(job: dict) -> int:
     import atexit
     import builtins
+    import logging
     import runpy
     import traceback
     import types
@@ -160,6 +179,7 @@ def _run_job(job: dict) -> int:
     os.chdir(job["cwd"])
     os.environ.clear()
     os.environ.update(job["env"])
+    _AT_START["job_env"] = dict(job["env"])  # what the command started with (its own changes come after)
     if job.get("new_session"):
         os.setsid()
     # Descriptors are copied before any is replaced: "stderr to the caller's stdout" means the old fd 1.
@@ -181,13 +201,25 @@ def _run_job(job: dict) -> int:
     warnings._filters_mutated()
     if job["env"].get("PYTHONWARNINGS") == "ignore":
         warnings.simplefilter("ignore")
+    if any(job["env"].get(k) == "1" for k in OFFLINE) and "huggingface_hub.constants" in sys.modules:
+        sys.modules["huggingface_hub.constants"].HF_HUB_OFFLINE = True
     sys.path[:] = _AT_START["path"]
     sys.path[1:1] = added_path(job["env"], _AT_START["env"]) or []  # where a new process puts PYTHONPATH
     importlib.invalidate_caches()
     subprocess.Popen = ForkingPopen  # the command's own `python -m ftcore ...` and scripts fork from here too
     code = 1
     try:
-        if job.get("script"):
+        if job.get("code"):  # `python -c CODE ARGS`: llama.cpp's converter, with its own gguf and conversion
+            for name in [m for m in sys.modules if m.partition(".")[0] in OWN_MODULES]:
+                del sys.modules[name]
+            logging.root.handlers.clear()  # as a new process has none: the converter's basicConfig takes effect
+            logging.root.setLevel(logging.WARNING)
+            sys.argv = ["-c", *job["args"]]
+            sys.path[0] = ""
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__builtins__ = builtins
+            exec(compile(job["code"], "<string>", "exec"), main.__dict__)
+        elif job.get("script"):
             # As `python SCRIPT` runs it: argv[0] as given, __file__ absolute, a fresh __main__.
             sys.argv = [job.get("argv0") or job["script"], *job["args"]]
             sys.path[0] = os.path.dirname(job["script"])
@@ -244,19 +276,22 @@ class ForkingPopen(subprocess.Popen):
 def _fork_job(args, cwd, env) -> dict | None:
     if isinstance(args, (str, bytes)):
         return None
-    # A fork copies no thread but the caller's, nor what the others were doing: only tqdm's monitor (asleep
-    # but for a moment a second) may be running.
-    if any(t is not threading.main_thread() and t.name != "tqdm_monitor" for t in threading.enumerate()):
+    # A fork copies no thread but the caller's, nor what the others were doing: only threads asleep but for a
+    # moment now and then may be running.
+    if any(t is not threading.main_thread() and not t.name.endswith(IDLE_THREADS) for t in threading.enumerate()):
         return None
     argv = [os.fsdecode(a) for a in args]
     if len(argv) < 2 or argv[0] != sys.executable:
         return None
     env = dict(os.environ if env is None else {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()})
     cwd = os.path.abspath(os.fsdecode(cwd) if cwd is not None else os.getcwd())
-    if not os.path.isdir(cwd) or not same_imports(env, _AT_START["env"]):
+    applied = {k: v for k, v in os.environ.items() if _AT_START.get("job_env", {}).get(k) != v}
+    if not os.path.isdir(cwd) or not same_imports(env, _AT_START["env"], _AT_START["imported"], applied):
         return None
     if argv[1:3] == ["-m", "ftcore"] and heavy(argv[3:]):
         return {"args": argv[3:], "script": None, "cwd": cwd, "env": env}
+    if argv[1] == "-c" and len(argv) > 2 and CONVERTER in argv[2]:
+        return {"args": argv[3:], "code": argv[2], "cwd": cwd, "env": env}
     script = os.path.join(cwd, argv[1])  # a script's path is the new process's, from its folder
     if script.endswith(".py") and os.path.isfile(script):
         return {"args": argv[2:], "script": script, "argv0": argv[1], "cwd": cwd, "env": env}
@@ -274,7 +309,8 @@ class ForkServer:
                                      env=self.env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, bufsize=1)
-        self.ready = self.proc.stdout.readline().strip() == "ready"
+        ready, _, imported = self.proc.stdout.readline().partition(" ")
+        self.ready, self.imported = ready.strip() == "ready", json.loads(imported or "{}")
         self.lock = threading.Lock()
         self.count = 0
 
@@ -283,7 +319,7 @@ class ForkServer:
         server's import-time environment (``PYTHONWARNINGS=ignore`` the child applies itself)."""
         if not self.ready or self.proc.poll() is not None:
             return False
-        return (script is not None or heavy(args)) and same_imports(env, self.env)
+        return (script is not None or heavy(args)) and same_imports(env, self.env, self.imported)
 
     def run(self, args: tuple[str, ...], cwd: Path | None, env: dict[str, str], timeout: float,
             script: Path | None = None) -> subprocess.CompletedProcess | None:

@@ -150,3 +150,14 @@ def test_a_site_folder_on_pythonpath_forks_unless_it_shadows_what_the_server_imp
     assert added_path({"PYTHONPATH": f"{plugins}{os.pathsep}{shadow}"}, {}) is None
     assert not same_imports({"PYTHONPATH": str(shadow)}, {})
     assert added_path({}, {"PYTHONPATH": str(plugins)}) is None  # the server's own folder taken away
+
+
+def test_what_the_imports_set_in_the_environment_is_no_difference():
+    """A test that imported torch in its own process has the variables the imports set (as the server has):
+    its commands still fork; a value of the user's own for the same variable does not."""
+    from _forkserver import same_imports
+
+    imported = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"}
+    assert same_imports({"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"}, {}, imported)
+    assert not same_imports({"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, {}, imported)
+    assert not same_imports({"TORCHINDUCTOR_CACHE_DIR": "/tmp/torchinductor_root"}, {})

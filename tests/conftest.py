@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -28,8 +29,9 @@ SHARED = ROOT.parent / "shared" / "fixtures"
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Tests that must not run beside each other: torchrun's fixed rendezvous port. Each group runs in one worker; every other test goes wherever a worker is free. (xdist's own `xdist_group` marks do not
-# reach its scheduler under pytest 9.2, so the scheduling is ours.)
+# Tests that must not run beside each other: torchrun's fixed rendezvous port. Each group runs in one worker;
+# every other test goes wherever a worker is free. (xdist's own `xdist_group` marks do not reach its scheduler
+# under pytest 9.2, so the scheduling is ours.)
 _SERIAL_GROUPS = {"test_distributed.py": "torchrun", "test_sequence_parallel.py": "torchrun"}
 
 try:
@@ -285,6 +287,7 @@ def installed(folder: Path, dist: str, tmp_path: Path):
     sys.path.insert(0, str(site))
     INSTALLED_SITES.insert(0, str(site))
     importlib.invalidate_caches()
+    assert Path(importlib.metadata.distribution(dist).locate_file("")) == site  # what the commands will find
     try:
         yield
     finally:

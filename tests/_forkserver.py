@@ -82,12 +82,14 @@ def same_imports(env: dict[str, str], reference: dict[str, str], imported: dict[
 def added_path(env: dict[str, str], reference: dict[str, str]) -> list[str] | None:
     """The folders ``env``'s PYTHONPATH puts before ``reference``'s (a test's site of plugin packages, which a
     child puts on its ``sys.path``), or None where the rest differs, or where such a folder holds a module the
-    server imported (a new process would import that one from the folder; a fork keeps the server's)."""
+    server imported (a new process would import that one from the folder; a fork keeps the server's), or a
+    ``sitecustomize`` (a new process runs it at start; a fork has started)."""
     mine, theirs = ([p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p] for e in (env, reference))
     extra = mine[:len(mine) - len(theirs)]
     if mine[len(extra):] != theirs:
         return None
-    loaded = {name.partition(".")[0] for name in (*sys.modules, *PRELOAD, "ftcore", "ftcore_plugins")}
+    loaded = {name.partition(".")[0] for name in (*sys.modules, *PRELOAD, "ftcore", "ftcore_plugins", "sitecustomize",
+                                                  "usercustomize")}
     for folder in extra:
         with contextlib.suppress(OSError):
             if any(Path(name).stem in loaded for name in os.listdir(folder)):

@@ -150,6 +150,9 @@ def test_a_site_folder_on_pythonpath_forks_unless_it_shadows_what_the_server_imp
     assert added_path({"PYTHONPATH": f"{plugins}{os.pathsep}{shadow}"}, {}) is None
     assert not same_imports({"PYTHONPATH": str(shadow)}, {})
     assert added_path({}, {"PYTHONPATH": str(plugins)}) is None  # the server's own folder taken away
+    (shadow / "torch").rmdir()
+    (shadow / "sitecustomize.py").write_text("")  # run at a new process's start, which a fork has had
+    assert added_path({"PYTHONPATH": str(shadow)}, {}) is None
 
 
 def test_what_the_imports_set_in_the_environment_is_no_difference():

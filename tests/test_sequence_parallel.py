@@ -10,6 +10,9 @@ that is what shows the comparison can fail."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -215,3 +218,69 @@ def test_the_long_context_example_runs_as_documented(tmp_path):
                                                "metrics.jsonl").read_text().splitlines()]
     loss = {r["step"]: r["loss"] for r in records if r["stage"] == "pretrain" and "loss" in r}
     assert sorted(loss) == [5, 10] and loss[10] < loss[5]
+
+
+# Tensor parallelism's part that runs on a CPU: the model as ftcore's hf loader loads it under tp_size > 1
+# (transformers' `tp_plan = "auto"`, the model's own plan), its weights split over 2 gloo processes. Its logits,
+# loss and gradients must be one process's. Training stops earlier, at accelerate's check (tp needs a GPU
+# distributed type: `... but got DistributedType.MULTI_CPU`), which validate quotes. `swap`: each process holds
+# the other's rows of every query projection, the wrong sharding the comparison must catch.
+TP_WORKER = """
+import json, sys
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+folder, out, swap = sys.argv[1], sys.argv[2], sys.argv[3] == "swap"
+torch.manual_seed(0)
+ids = torch.randint(0, 300, (2, 24))
+model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+rank, world = dist.get_rank(), dist.get_world_size()
+shards = {name: p for name, p in model.named_parameters() if hasattr(p, "to_local") and p.placements[0].is_shard()}
+if swap:
+    with torch.no_grad():
+        for name, p in shards.items():
+            if name.endswith("q_proj.weight"):
+                local = p.to_local()
+                other = [torch.empty_like(local) for _ in range(world)]
+                dist.all_gather(other, local.contiguous())
+                local.copy_(other[(rank + 1) % world])
+sharded = model(input_ids=ids, labels=ids)
+whole = reference(input_ids=ids, labels=ids)
+sharded.loss.backward()
+whole.loss.backward()
+grads = dict(reference.named_parameters())
+grad_diff = max((p.grad.full_tensor() - grads[name].grad).abs().max().item() for name, p in shards.items())
+if rank == 0:
+    q = shards["model.layers.0.self_attn.q_proj.weight"]
+    json.dump({"sharded": sorted(shards), "local_rows": list(q.to_local().shape),
+               "logits": (sharded.logits - whole.logits).abs().max().item(),
+               "loss": abs(sharded.loss.item() - whole.loss.item()), "grads": grad_diff}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_weights_on_two_processes_compute_one_process_logits_and_gradients(tmp_path):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    (tmp_path / "worker.py").write_text(TP_WORKER, encoding="utf-8")
+    found = {}
+    for how in ("right", "swap"):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(tmp_path / "worker.py"), str(tmp_path / "base"), str(tmp_path / f"{how}.json"), how],
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        found[how] = json.loads((tmp_path / f"{how}.json").read_text())
+    right, swap = found["right"], found["swap"]
+    print(f"\ntp_size 2 on gloo: logits {right['logits']:.2g}, loss {right['loss']:.2g}, gradients of the split "
+          f"weights {right['grads']:.2g} from one process; query rows swapped: logits {swap['logits']:.2g}")
+    assert right["local_rows"] == [32, 64]  # each process holds half of every query projection's rows
+    assert any(n.endswith("mlp.down_proj.weight") for n in right["sharded"])  # and the MLP's, split the other way
+    assert right["logits"] < 1e-5 and right["loss"] < 1e-6 and right["grads"] < 1e-6
+    assert swap["logits"] > 1e-3  # the comparison can fail

@@ -284,3 +284,80 @@ def test_tensor_parallel_weights_on_two_processes_compute_one_process_logits_and
     assert any(n.endswith("mlp.down_proj.weight") for n in right["sharded"])  # and the MLP's, split the other way
     assert right["logits"] < 1e-5 and right["loss"] < 1e-6 and right["grads"] < 1e-6
     assert swap["logits"] > 1e-3  # the comparison can fail
+
+
+# Context parallelism's part that runs on a CPU: torch's `context_parallel` sharding the rows of a batch padded
+# as ftcore pads them under cp_size (to a multiple of twice cp_size), over 2 gloo processes. Attention is what
+# stops it there (`aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+# registered`, which validate quotes). Each process's token losses are taken from one process's logits of the
+# whole rows at the positions it holds, and reduced as the Trainer reduces them (summed over the processes,
+# over all their trained tokens). `late`: labels shifted after the sharding, each slice on its own, the mistake
+# the comparison must catch.
+CP_WORKER = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.experimental import context_parallel
+
+batch, out, late = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3] == "late"
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+ids, labels = torch.tensor(batch["input_ids"]), torch.tensor(batch["labels"])
+torch.manual_seed(0)
+logits = torch.randn(*ids.shape, 50)  # one process's logits of the whole rows
+whole = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # as transformers shifts before sharding
+positions = torch.arange(ids.shape[1]).expand_as(ids).contiguous()
+buffers = [ids, positions, labels if late else shift]
+with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+    mine = buffers[2] if not late else torch.nn.functional.pad(buffers[2][:, 1:], (0, 1), value=-100)
+    held = buffers[1]
+    local = torch.gather(logits, 1, held.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    summed = torch.nn.functional.cross_entropy(local.flatten(0, 1), mine.flatten(), ignore_index=-100,
+                                               reduction="sum")
+    counted = (mine != -100).sum()
+total = torch.stack([summed, counted.float()])
+dist.all_reduce(total)
+seen = [torch.empty_like(held) for _ in range(2)]
+dist.all_gather(seen, held.contiguous())
+if dist.get_rank() == 0:
+    json.dump({"positions": [s[0].tolist() for s in seen], "shape": list(held.shape),
+               "loss": (total[0] / total[1]).item(), "whole": whole.item()}, open(out, "w"))
+"""
+
+
+@pytest.mark.slow
+def test_context_parallel_rows_as_ftcore_pads_them_split_and_reduce_as_one_process(tmp_path):
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from ftcore_plugins.common.launch import Distributed
+    from ftcore_plugins.trainers._sequence_parallel import row_multiple
+
+    plan = type("Plan", (), {"distributed": Distributed(engine="fsdp", nproc_per_node=2, cp_size=2)})()
+    multiple = row_multiple(plan)
+    assert multiple == 4  # twice cp_size: a head and a tail chunk for each process
+    torch.manual_seed(1)
+    rows = [torch.randint(1, 50, (n,)).tolist() for n in (13, 10)]  # as ftcore tokenizes: the prompt's labels -100
+    batch = DataCollatorForLanguageModeling(pad_token_id=0, pad_to_multiple_of=multiple)(
+        [{"input_ids": ids, "labels": [-100] * 3 + ids[3:]} for ids in rows])
+    assert batch["input_ids"].shape[1] == 16
+    (tmp_path / "batch.json").write_text(json.dumps({k: batch[k].tolist() for k in ("input_ids", "labels")}))
+    (tmp_path / "worker.py").write_text(CP_WORKER, encoding="utf-8")
+    found = {}
+    for how in ("right", "late"):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(tmp_path / "worker.py"), str(tmp_path / "batch.json"), str(tmp_path / f"{how}.json"),
+                            how], capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        found[how] = json.loads((tmp_path / f"{how}.json").read_text())
+    right, late = found["right"], found["late"]
+    print(f"\ncp_size 2 on gloo: positions per process {right['positions']}; loss {right['loss']:.6f} against "
+          f"{right['whole']:.6f} in one process; labels shifted after the split: {late['loss']:.6f}")
+    # Each process a head and a tail chunk of every row; together every position once.
+    assert right["positions"] == [[0, 1, 2, 3, 12, 13, 14, 15], [4, 5, 6, 7, 8, 9, 10, 11]]
+    assert right["shape"] == [2, 8]
+    assert abs(right["loss"] - right["whole"]) < 1e-6
+    assert abs(late["loss"] - late["whole"]) > 1e-3  # the comparison can fail

@@ -36,6 +36,14 @@ def row_axis(plan: Any) -> tuple[str, int] | None:
     return ("sp_size", d.sp_size) if d.sp_size > 1 else ("cp_size", d.cp_size) if d.cp_size > 1 else None
 
 
+def row_multiple(plan: Any) -> int:
+    """What the plan's rows are padded to a multiple of: 1, ``sp_size`` (each process an equal slice of the
+    columns), or twice ``cp_size`` (torch's context parallel gives each process a head and a tail chunk, which
+    balances the causal attention's work)."""
+    axis = row_axis(plan)
+    return 1 if axis is None else axis[1] * (2 if axis[0] == "cp_size" else 1)
+
+
 def plan_problems(component: Any, plan: Any) -> list[str]:
     """``check(plan)`` problems of a trainer whose rows the plan splits across processes (no import of
     torch): sequence parallelism (``sp_size``) or context parallelism (``cp_size``)."""

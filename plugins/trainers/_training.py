@@ -505,13 +505,11 @@ def run_trl(ctx: Any, o: TrainOptions, train: Any, evaluation: Any | None, *, pa
     ``SFTConfig`` fields and ``trainer_kwargs`` go to the trainer, as in :func:`run_trainer`."""
     from trl import SFTConfig, SFTTrainer
 
-    from ftcore_plugins.trainers._sequence_parallel import row_axis
+    from ftcore_plugins.trainers._sequence_parallel import row_multiple
 
     # Sequence parallelism gives each process an equal slice of every row's columns. Its dataloader gathers
     # every process's batch, which gloo does only for batches of one shape: on it, rows are padded to max_length.
-    # Context parallelism balances each row's slices (head and tail) when it divides by twice cp_size.
-    axis = row_axis(ctx.run.plan)
-    size = 1 if axis is None else axis[1] * (2 if axis[0] == "cp_size" else 1)
+    size = row_multiple(ctx.run.plan)
     columns = {} if size == 1 else {"pad_to_multiple_of": size if ctx.run.plan.distributed.resolved_backend()
                                     != "gloo" or not o.max_length else o.max_length}
     _, metrics = run_trainer(ctx, o, trainer_cls or SFTTrainer, SFTConfig, train=train, evaluation=evaluation,

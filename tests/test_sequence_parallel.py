@@ -225,6 +225,16 @@ def test_the_long_context_example_runs_as_documented(tmp_path):
 # loss and gradients must be one process's. Training stops earlier, at accelerate's check (tp needs a GPU
 # distributed type: `... but got DistributedType.MULTI_CPU`), which validate quotes. `swap`: each process holds
 # the other's rows of every query projection, the wrong sharding the comparison must catch.
+def two_processes(worker: Path, *args) -> dict:
+    """``worker`` run by torchrun in 2 processes of one thread (gloo); the JSON its rank 0 wrote to the file
+    named by ``args``' second-to-last argument."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(worker), *map(str, args)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(Path(args[-2]).read_text())
+
+
 TP_WORKER = """
 import json, sys
 import torch
@@ -272,11 +282,7 @@ def test_tensor_parallel_weights_on_two_processes_compute_one_process_logits_and
     (tmp_path / "worker.py").write_text(TP_WORKER, encoding="utf-8")
     found = {}
     for how in ("right", "swap"):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            str(tmp_path / "worker.py"), str(tmp_path / "base"), str(tmp_path / f"{how}.json"), how],
-                           capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        found[how] = json.loads((tmp_path / f"{how}.json").read_text())
+        found[how] = two_processes(tmp_path / "worker.py", tmp_path / "base", tmp_path / f"{how}.json", how)
     right, swap = found["right"], found["swap"]
     print(f"\ntp_size 2 on gloo: logits {right['logits']:.2g}, loss {right['loss']:.2g}, gradients of the split "
           f"weights {right['grads']:.2g} from one process; query rows swapped: logits {swap['logits']:.2g}")
@@ -347,12 +353,7 @@ def test_context_parallel_rows_as_ftcore_pads_them_split_and_reduce_as_one_proce
     (tmp_path / "worker.py").write_text(CP_WORKER, encoding="utf-8")
     found = {}
     for how in ("right", "late"):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            str(tmp_path / "worker.py"), str(tmp_path / "batch.json"), str(tmp_path / f"{how}.json"),
-                            how], capture_output=True, text=True, timeout=600,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-        found[how] = json.loads((tmp_path / f"{how}.json").read_text())
+        found[how] = two_processes(tmp_path / "worker.py", tmp_path / "batch.json", tmp_path / f"{how}.json", how)
     right, late = found["right"], found["late"]
     print(f"\ncp_size 2 on gloo: positions per process {right['positions']}; loss {right['loss']:.6f} against "
           f"{right['whole']:.6f} in one process; labels shifted after the split: {late['loss']:.6f}")

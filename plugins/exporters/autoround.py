@@ -41,14 +41,14 @@ from ftcore.errors import FtcoreError
 
 from ftcore_plugins.common.seq2seq import auto_class
 from ftcore_plugins.exporters._card import card_path, write_card
-from ftcore_plugins.exporters.merged import (TOLERANCES, USAGE, logits, max_abs_diff, merge_verified,
-                                             verification_inputs)
+from ftcore_plugins.exporters.merged import USAGE, logits, max_abs_diff, merge_verified, verification_inputs
 
 PIP = "pip install 'ftcore[quantize]'"
 FORMATS = {"compressed-tensors": "llm_compressor", "gptq": "auto_gptq"}  # ours -> AutoRound's
-# Reloaded vs the model AutoRound rounded in memory. compressed-tensors unpacks to the model's dtype: equal in float32;
-# in 16 bits its unpacking and AutoRound's rounding can differ by a unit in the last place (0.0039 in logits where
-# AutoRound rounded the tests' Llama in bfloat16), so the merge's tolerances apply. auto-round's GPTQ backend runs in fp16 on a CPU.
+# Reloaded vs the model AutoRound rounded in memory. compressed-tensors unpacks to the model's dtype: equal in
+# float32; in 16 bits its unpacking and AutoRound's rounding can differ by a unit in the last place (0.0039 in
+# logits where AutoRound rounded the tests' Llama in bfloat16), so the merge's tolerance (by dtype) applies.
+# auto-round's GPTQ backend runs in fp16 on a CPU.
 GPTQ_TOLERANCE = 0.05
 GPTQ_USAGE = """
 from transformers import AutoModelForCausalLM, AutoRoundConfig, AutoTokenizer
@@ -176,7 +176,7 @@ class AutoRoundExporter(Component):
         reloaded = logits(self.reload(model_cls, ctx.path), inputs)
         diff, error = max_abs_diff(reloaded, rounded), max_abs_diff(rounded, full)
         limit = o.tolerance if o.tolerance is not None else (
-            GPTQ_TOLERANCE if o.format == "gptq" else TOLERANCES.get(str(dtype).removeprefix("torch."), 1e-4))
+            GPTQ_TOLERANCE if o.format == "gptq" else verification["tolerance"])
         described = (f"AutoRound {o.bits}-bit weights in groups of {o.group_size}{'' if o.sym else ', asymmetric'}, "
                      f"{o.format} layout; {o.iters} SignRound steps a block on {len(windows)} windows of "
                      f"{calibration_ref(ctx.run.plan, o.data)}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SHARED, run_script, start_script
+from conftest import ROOT, SHARED, run_cli, run_script, start_script
 
 
 def bench(script: str, *args: str, timeout: int = 600) -> str:
@@ -808,12 +808,17 @@ def test_tiled_mlp_tiny_mode():
 
 @pytest.mark.slow
 def test_sequence_parallel_memory_tiny_mode(tmp_path):
-    """Issue #43: two processes under sp_size 2 hold less activation memory per rank than one process training the
-    same 4,096-token rows, ftcore estimate's activation figure is within 15% of the measured one for both, and the
-    table prints what was measured. (Four `ftcore run`s, two of them two-process DeepSpeed runs: minutes.)"""
-    out = bench("sequence_parallel_memory.py", "--tiny", "--json", str(tmp_path / "r.json"), timeout=1200)
+    """Issue #43: two processes under sp_size 2, started as two nodes of one machine (the form one GPU needs), hold
+    less activation memory per rank than one process training the same 4,096-token rows, ftcore estimate's
+    activation figure is within 15% of the measured one for both, and the table prints what was measured. (Four
+    `ftcore run`s, two of them two-process DeepSpeed runs: minutes.)"""
+    out = bench("sequence_parallel_memory.py", "--tiny", "--split-nodes", "--json", str(tmp_path / "r.json"),
+                timeout=1200)
     measured = json.loads((tmp_path / "r.json").read_text())
+    # sp2 as one GPU runs it: two single-process nodes of this machine, each on LOCAL_RANK 0, a rank each
+    assert measured["split_nodes"] and "sp2 as two single-process nodes" in out
     (row,) = measured["results"]
+    assert sorted(row["sp2"]["sampled_peak_mib"]) == ["0", "1"], row
     assert row["length"] == 4096 and row["ratio"] < 1, row
     for arm, size in (("sp1", 1), ("sp2", 2)):
         a = row[arm]
@@ -824,6 +829,36 @@ def test_sequence_parallel_memory_tiny_mode(tmp_path):
     assert f"4,096 tokens: SP2/SP1 activation memory per rank {row['ratio']:.3f} measured" in out
     sp2 = next(r for r in measured["runs"] if r["arm"] == "sp2" and r["length"] == 4096)
     assert any(a.startswith("sequence parallel sp_size 2") for a in sp2["estimate_axes"])
+
+
+def test_sequence_parallel_memory_gpu_plans(tmp_path):
+    """The GPU form of the benchmark (issue #43's device command, unmeasured on a GPU so far): on one GPU sp2's two
+    ranks are two single-process nodes over gloo (NCCL takes one device a rank), on two or more one node over
+    NCCL; ftcore validates both, and its estimate has sp2 hold about half of sp1's activations a rank, with sp1's
+    65,536-token row within one H200 (139 GiB)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("spm", ROOT / "benchmarks" / "sequence_parallel_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    one_gpu = module.plan_text("sp2", 65536, 3, 29500, "cuda", split=True)
+    several = module.plan_text("sp2", 65536, 3, 29500, "cuda", split=False)
+    assert "nproc_per_node = 1\nnnodes = 2" in one_gpu and 'backend = "gloo"' in one_gpu
+    assert "nproc_per_node = 2\n" in several and 'backend = "auto"' in several
+    assert 'architecture = "qwen2"' in one_gpu and "hidden_size = 896" in one_gpu and "num_layers = 24" in one_gpu
+    totals = {}
+    for name, text in (("sp1", module.plan_text("sp1", 65536, 3, 29500, "cuda")), ("sp2", one_gpu),
+                       ("sp2-nccl", several)):
+        plan = tmp_path / f"{name}.toml"
+        plan.write_text(text)
+        checked = run_cli("validate", str(plan), cwd=tmp_path)
+        assert checked.returncode == 0, checked.stderr
+        r = run_cli("estimate", str(plan), "--device", "cuda", "--json", cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        totals[name] = json.loads(r.stdout)["stages"][0]["bytes"]
+    assert totals["sp2"] == totals["sp2-nccl"]
+    assert 0.45 < totals["sp2"]["activations"] / totals["sp1"]["activations"] < 0.6, totals
+    assert totals["sp1"]["total"] < 139 * 2**30
 
 
 @pytest.mark.slow

@@ -149,8 +149,8 @@ class PeakSampler:
     def _gpu_used(self) -> dict[int, int]:
         """MiB of GPU memory by process id, as ``nvidia-smi`` lists the compute processes."""
         try:
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10).stdout
+            query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, timeout=10).stdout
             return {int(pid): int(used) for pid, used in (line.split(",") for line in out.splitlines() if "," in line)}
         except (OSError, ValueError, subprocess.TimeoutExpired):
             return {}
@@ -290,7 +290,8 @@ def main() -> None:
 
     memory = "CUDA peak allocated" if gpu else "peak RSS"
     print(f"runs: {args.steps} steps each, batch 1, control rows of {CONTROL} tokens, {memory}"
-          + (", sp2 as two single-process nodes" if args.split_nodes else "") + (f"; kept in {folder}" if args.keep else ""))
+          + (", sp2 as two single-process nodes" if args.split_nodes else "")
+          + (f"; kept in {folder}" if args.keep else ""))
     print("| arm | row tokens | tokens a rank | peak - before (MiB) | control (MiB) | activations measured (MiB) | "
           "ftcore estimate (MiB) | estimate error |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -21,7 +21,7 @@ from ftcore_plugins.trainers.sft import SFT
 # documents of 29 tokens at max_length 65,536 gave three rows of about 29k). Where 1,000 documents hold fewer than
 # this many blocks, the blocks are cut here first, with TRL's own function, in batches that hold that many.
 BLOCKS_A_BATCH = 64
-TOKENS_A_BATCH = 1 << 24  # but no batch above this many tokens (and at least BLOCKS_A_BATCH rows' worth of 4)
+TOKENS_A_BATCH = 1 << 24  # a batch's tokens at most (memory), though never fewer than 4 blocks' worth
 
 
 def whole_blocks(dataset: Any, max_length: int | None) -> Any:

@@ -221,7 +221,7 @@ def test_the_long_context_example_runs_as_documented(tmp_path):
 
 
 # Tensor parallelism's part that runs on a CPU: the model as ftcore's hf loader loads it under tp_size > 1
-# (transformers' `tp_plan = "auto"`, the model's own plan), its weights split over 2 gloo processes. Its logits,
+# (transformers' `DistributedConfig(tp_plan="auto")`, the model's own plan), its weights split over 2 gloo processes. Its logits,
 # loss and gradients must be one process's. Training stops earlier, at accelerate's check (tp needs a GPU
 # distributed type: `... but got DistributedType.MULTI_CPU`), which validate quotes. `swap`: each process holds
 # the other's rows of every query projection, the wrong sharding the comparison must catch.
@@ -239,12 +239,13 @@ TP_WORKER = """
 import json, sys
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
 folder, out, swap = sys.argv[1], sys.argv[2], sys.argv[3] == "swap"
 torch.manual_seed(0)
 ids = torch.randint(0, 300, (2, 24))
-model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(folder, distributed_config=DistributedConfig(tp_plan="auto", tp_size=2),
+                                             dtype=torch.float32)
 reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 rank, world = dist.get_rank(), dist.get_world_size()
 shards = {name: p for name, p in model.named_parameters() if hasattr(p, "to_local") and p.placements[0].is_shard()}
@@ -290,6 +291,33 @@ def test_tensor_parallel_weights_on_two_processes_compute_one_process_logits_and
     assert any(n.endswith("mlp.down_proj.weight") for n in right["sharded"])  # and the MLP's, split the other way
     assert right["logits"] < 1e-5 and right["loss"] < 1e-6 and right["grads"] < 1e-6
     assert swap["logits"] > 1e-3  # the comparison can fail
+
+
+@pytest.mark.parametrize("model_type, refused", [("gpt2", True), ("opt", True), ("llama", False), ("qwen2", False)])
+def test_a_family_without_a_tensor_parallel_plan_is_refused_before_loading(model_type, refused):
+    """tp_size on a family transformers has no tp plan for fails only inside from_pretrained ("`tp_size=2` was
+    requested, but `GPT2LMHeadModel` has no `tp_plan`"), after the data is tokenized: the run's pre-flight says it
+    first, from the model built on the meta device. Called directly with the [distributed] table: on a CPU validate
+    refuses tp_size before the pre-flight runs (tensor parallelism needs GPUs), so no command here can reach it."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftcore_plugins.common.launch import Distributed
+    from ftcore_plugins.models.preflight import tensor_parallel_problems
+
+    config = AutoConfig.for_model(model_type, vocab_size=300, hidden_size=64, num_attention_heads=4,
+                                  intermediate_size=128, ffn_dim=128, n_embd=64, n_head=4, num_hidden_layers=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = SimpleNamespace(distributed=Distributed(nproc_per_node=2, tp_size=2))
+    problems = tensor_parallel_problems(plan, model)
+    assert problems == ([f"distributed.tp_size: transformers has no tensor-parallel plan for {type(model).__name__} "
+                         f"(model type '{model_type}'; its config has no base_model_tp_plan), so it cannot split its "
+                         "layers; use sp_size for long rows, or zero_stage = 3 or engine = \"fsdp\" for weights that "
+                         "do not fit one device"] if refused else [])
+    assert tensor_parallel_problems(SimpleNamespace(distributed=Distributed(nproc_per_node=2)), model) == []
 
 
 # Context parallelism's part that runs on a CPU: torch's `context_parallel` sharding the rows of a batch padded

@@ -219,7 +219,10 @@ class HFModelLoader(Component):
             kwargs["attn_implementation"] = o.attn_implementation
         d = getattr(getattr(getattr(ctx, "run", None), "plan", None), "distributed", None)
         if d is not None and d.tp_size > 1 and d.processes > 1:  # each layer's weights split over the processes
-            kwargs["tp_plan"] = "auto"  # the model's own plan (its config's base_model_tp_plan)
+            from transformers import DistributedConfig
+
+            # the model's own plan (its config's base_model_tp_plan); from_pretrained's own tp_plan is deprecated
+            kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=d.tp_size)
         stored = self._stored_dtype(kwargs)
         if stored is not None:  # read in its own dtype, then raised tensor by tensor (see _upcast)
             kwargs["dtype"] = stored

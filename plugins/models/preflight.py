@@ -55,6 +55,7 @@ def ftcore_preflight(plan: Any) -> list[str]:
                 "max_position_embeddings x the dynamic RoPE factor"
             problems.append(f"{sel.key}.max_length: {length} is longer than the model's context of {context} "
                             f"tokens ({source}); use at most {context}{hint}")
+    problems += tensor_parallel_problems(plan, model)
     quantizer = plan.quantizer.create()
     silent = AdapterContext(RunInfo(plan, plan.run_dir), Reporter(None, None, None, None), quantizer)
     prepare_meta = getattr(quantizer, "prepare_meta", None)
@@ -81,3 +82,14 @@ def ftcore_preflight(plan: Any) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - not decidable on meta tensors; the real apply decides
             log.debug("preflight: adapter %s on the meta model: %s", stage.adapter.name, exc)
     return problems
+
+
+def tensor_parallel_problems(plan: Any, model: Any) -> list[str]:
+    """``tp_size`` on a model transformers has no tensor-parallel plan for (GPT-2, OPT, Falcon, Mamba, ...): its
+    loader raises only once the data is tokenized and the weights are being read."""
+    d = getattr(plan, "distributed", None)
+    if d is None or d.tp_size == 1 or d.processes == 1 or getattr(model, "tp_plan", None) is None or model.tp_plan:
+        return []
+    return [f"distributed.tp_size: transformers has no tensor-parallel plan for {type(model).__name__} (model type "
+            f"'{model.config.model_type}'; its config has no base_model_tp_plan), so it cannot split its layers; use "
+            "sp_size for long rows, or zero_stage = 3 or engine = \"fsdp\" for weights that do not fit one device"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -97,6 +98,38 @@ def test_axes_that_need_a_gpu_are_refused_without_one(case, tmp_path):
     distributed, expected = CUDA_ONLY[case]
     line = one_line_refusal(run_cli("validate", str(write_plan(tmp_path, case.replace(" ", "-"), distributed))))
     assert expected in line, line
+
+
+def test_tensor_parallel_needs_a_loader_that_loads_the_weights_split(tmp_path, monkeypatch):
+    """On a GPU machine (its check faked here: this one has none, and refuses tp_size first), tp_size with the
+    scratch loader is refused: transformers' Trainer takes tensor parallelism from a model loaded split, and one
+    built whole would train as DDP without a word. The hf loader loads it split, and its plan passes."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from ftcore.errors import PlanError
+    from ftcore.plan import load_plan
+    from ftcore.plugins import get_plugin_manager
+
+    from ftcore_plugins.common import memory
+
+    monkeypatch.setattr(memory, "gpu_visible", lambda: True)
+    registry = get_plugin_manager().registry()
+    tp = '\n[distributed]\nnproc_per_node = 2\ntp_size = 2\n'
+    with pytest.raises(PlanError) as refused:
+        load_plan(write_plan(tmp_path, "scratch", tp), registry)
+    assert "distributed.tp_size: model loader 'scratch' builds the whole model in every process" in str(refused.value)
+    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                            eos_token="<unk>").save_pretrained(tmp_path / "base")
+    hf = re.sub(r"\[model\].*?\n\n", f'[model]\nuse = "hf"\npath = "{(tmp_path / "base").as_posix()}"\n\n', HEADER,
+                flags=re.S)
+    plan = load_plan(write_plan(tmp_path, "hf", tp, header=hf), registry)
+    assert plan.distributed.tp_size == 2
 
 
 @pytest.mark.parametrize("case", list(REFUSED))

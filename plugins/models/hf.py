@@ -29,6 +29,7 @@ class HFModelLoader(Component):
     network allows)."""
 
     name = "hf"
+    tensor_parallel = True  # under [distributed] tp_size it loads each process's split of the weights (load)
 
     class Options(Options):
         path: str

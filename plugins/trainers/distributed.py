@@ -41,6 +41,13 @@ class DistributedSection(PlanSection):
                 if config.get(key) is None and getattr(options, own, None) is not None:
                     config[key] = getattr(options, own)
             problems += d.model_problems(config, getattr(options, "attn_implementation", None))
+        if d.tp_size > 1 and d.processes > 1 and not problems and not getattr(plan.model.reg.cls, "tensor_parallel",
+                                                                                False):
+            # transformers' Trainer takes tensor parallelism from a model loaded split; a whole one runs as DDP
+            problems.append(f"tp_size: model loader '{plan.model.name}' builds the whole model in every process, and "
+                            "tensor parallelism needs each process's split of the weights loaded (the hf loader "
+                            "does it); use [model] use = \"hf\", or sp_size for long rows, zero_stage = 3 for "
+                            "weights that do not fit")
         return problems
 
     def launch(self, plan: Any, argv: list[str]) -> int | None:

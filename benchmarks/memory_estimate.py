@@ -39,6 +39,9 @@ MODELS = {
     # scratch llama, hidden 256 / 4 layers at 8 x 512 tokens: activations dominate
     "medium": 'use = "scratch"\nhidden_size = 256\nnum_layers = 4\nnum_heads = 4\nintermediate_size = 704\n'
               'tokenizer_data = ["text"]\nvocab_size = 4096',
+    # scratch llama, hidden 128 / 4 layers / MLP 1024 at one 4,096-token row: the MLPs' activations dominate
+    "long": 'use = "scratch"\nhidden_size = 128\nnum_layers = 4\nnum_heads = 4\nintermediate_size = 1024\n'
+            'max_position_embeddings = 4096\ntokenizer_data = ["text"]\nvocab_size = 2048',
 }
 SMALL_HF = dict(hidden_size=640, num_hidden_layers=10, num_attention_heads=10, intermediate_size=1728,
                 vocab_size=8192)
@@ -55,6 +58,7 @@ class Config:
     batch_size: int = 2
     seq_len: int = 128
     steps: int = 2
+    extra: str = ""  # more stage options, as TOML lines
     notes: list[str] = field(default_factory=list)
 
     def plan(self) -> str:
@@ -90,7 +94,7 @@ batch_size = {self.batch_size}
 max_length = {self.seq_len}
 gradient_checkpointing = {str(self.checkpointing).lower()}
 logging_steps = 1
-"""
+{self.extra}"""
 
 
 CONFIGS = [
@@ -101,10 +105,12 @@ CONFIGS = [
     Config("small-lora", "small", "lora"),
     Config("small-lora-ckpt", "small", "lora", checkpointing=True),
     Config("small-qlora-nf4", "small-hf", "lora", quantizer="bnb-nf4", trainer="sft"),
+    Config("long-lora-tiled", "long", "lora", batch_size=1, seq_len=4096, extra="tiled_mlp = true"),
 ]
 # Not in the tests (minutes more on a small machine): activation-heavy steps, where glibc's heap
 # retention shows and the estimate prints a note saying so.
 EXTRA = [Config("medium-full", "medium", "full", batch_size=8, seq_len=512),
+         Config("long-lora", "long", "lora", batch_size=1, seq_len=4096),
          Config("small-lora-4x256", "small", "lora", batch_size=4, seq_len=256),
          Config("small-lora-4x256-ckpt", "small", "lora", checkpointing=True, batch_size=4, seq_len=256)]
 

@@ -69,9 +69,15 @@ def arm(folder: Path, tiled: bool, args: argparse.Namespace) -> dict:
     plan = folder / f"{name}.toml"
     plan.write_text(PLAN.format(name=name, hidden=args.hidden, layers=args.layers, intermediate=args.intermediate,
                                 positions=args.tokens + 64, steps=args.steps, tiled=str(tiled).lower()))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    e = subprocess.run([sys.executable, "-m", "ftcore", "estimate", plan.name, "--device", "cpu", "--json"], cwd=folder,
+                       capture_output=True, text=True, env=env)
+    if e.returncode:
+        sys.exit(f"{name}: ftcore estimate failed:\n{e.stderr[-3000:]}")
+    activations = json.loads(e.stdout)["stages"][0]["bytes"]["activations"] / 2**20
     started = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "ftcore", "run", plan.name], cwd=folder, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                       env=env)
     if r.returncode:
         sys.exit(f"{name} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     records = [json.loads(line) for line in (folder / "runs" / name / "metrics.jsonl").read_text().splitlines()]
@@ -82,6 +88,7 @@ def arm(folder: Path, tiled: bool, args: argparse.Namespace) -> dict:
     shards = next((rec["tiled_mlp_shards"] for rec in records if "tiled_mlp_shards" in rec), 1)
     return {"arm": name, "tokens": tokens, "shards": shards,
             "added_mib": memory["s: trained/peak_rss_mib"] - memory["s: adapter applied/rss_mib"],
+            "estimate_activations_mib": activations,
             "step_s": statistics.median(gaps) if gaps else float("nan"),
             "losses": [round(rec["loss"], 5) for rec in steps], "wall_s": time.perf_counter() - started}
 
@@ -103,14 +110,20 @@ def main() -> None:
         results = [arm(folder, tiled, args) for tiled in (False, True)]
     print(f"one row, hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, LoRA, batch 1, "
           f"{args.steps} steps; {os.cpu_count()} CPUs\n")
-    print("| arm | tokens | shards | training added (peak RSS - RSS before), MiB | step, s | losses |")
-    print("|---|---|---|---|---|---|")
+    print("| arm | tokens | shards | training added (peak RSS - RSS before), MiB | estimated activations, MiB | "
+          "step, s | losses |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['arm']} | {r['tokens']} | {r['shards']} | {r['added_mib']:,.0f} | {r['step_s']:.2f} | "
-              f"{r['losses']} |")
+        print(f"| {r['arm']} | {r['tokens']} | {r['shards']} | {r['added_mib']:,.0f} | "
+              f"{r['estimate_activations_mib']:,.0f} | {r['step_s']:.2f} | {r['losses']} |")
     untiled, tiled = results
+    saved = untiled["added_mib"] - tiled["added_mib"]
+    estimated = untiled["estimate_activations_mib"] - tiled["estimate_activations_mib"]
     print(f"\ntiled_mlp: {tiled['added_mib'] - untiled['added_mib']:+,.0f} MiB "
           f"({tiled['added_mib'] / untiled['added_mib']:.2f}x), step time {tiled['step_s'] / untiled['step_s']:.2f}x")
+    print(f"saved by tiling: {saved:,.0f} MiB measured, {estimated:,.0f} MiB estimated "
+          f"({100 * (estimated - saved) / saved:+.1f}%)" if saved > 0 else
+          f"saved by tiling: {saved:,.0f} MiB measured (nothing to compare), {estimated:,.0f} MiB estimated")
 
 
 if __name__ == "__main__":

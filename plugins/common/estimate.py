@@ -416,6 +416,8 @@ def _is_norm(module: Any) -> bool:
     return "norm" in name and hasattr(module, "weight") and getattr(module, "weight", None) is not None
 
 
+# What decoder layers call their MLP (as trainers/_tiled_mlp.py finds them; a mixture of experts is not tiled).
+_MLP_NAMES = ("mlp", "feed_forward", "ffn")
 # Which input of a Llama-style decoder layer each adapted linear layer reads.
 _LORA_INPUTS = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "attn_out",
                 "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "mlp_out"}
@@ -482,6 +484,7 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
         "lora_outputs": 0,  # sum of the LoRA ranks
         "lora_widths": [],  # the adapted layers' output widths
         "adapted": [],  # each adapted layer's parent module, input (_LORA_INPUTS), width and rank
+        "mlp_lora": [],  # the adapted layers inside an MLP: (rank, input width, output width)
         "head_grad": 0,
         "cast_cache": 0,  # 16-bit copies of trainable fp32 matrices that autocast keeps through the forward
         "bnb_bits": getattr(model, BNB_BASE, 0) if model is not None else 0,
@@ -496,6 +499,8 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
         found["res"] = emb.weight.element_size()
     norms = [m for m in model.modules() if _is_norm(m)]
     found["norms_train"] = any(m.weight.requires_grad for m in norms) if norms else True
+    lora_a_widths = {name.split(".lora_A")[0]: p.shape[1] for name, p in model.named_parameters()
+                     if "lora_A" in name and p.dim() == 2}
     for name, p in model.named_parameters():
         if id(p) in wrapped:
             continue
@@ -506,6 +511,9 @@ def _scan(model: Any, autocast: bool) -> dict[str, Any]:
             found["adapted"].append((parent, _LORA_INPUTS.get(layer), p.shape[1], p.shape[0]))
         elif p.requires_grad and "lora_B" in name and p.dim() == 2:
             found["lora_widths"].append(p.shape[0])
+            parent = name.split(".lora_B")[0].rpartition(".")[0]
+            if parent.rpartition(".")[2] in _MLP_NAMES:
+                found["mlp_lora"].append((p.shape[1], lora_a_widths.get(name.split(".lora_B")[0], 0), p.shape[0]))
         if autocast and p.requires_grad and p.dim() == 2 and p.dtype == torch.float32:
             found["cast_cache"] += p.numel() * 2
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -669,6 +677,19 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     tokens = batch_size * seq_len
     norm = 4 + (res if found["norms_train"] else 0)  # bytes per element, per norm
     per_layer = tokens * _layer_bytes(dims, found, device=device, autocast=autocast)
+    tiled = bool(getattr(getattr(trainer, "options", None), "tiled_mlp", False)) and not found["expert_blocks"] \
+        and not (found["bnb_bits"] == 4 and lin == 2)
+    shard, untiled = 0, per_layer
+    if tiled:
+        # DeepSpeed's TiledMLP keeps only the MLP's input (the norm's output, which the layer keeps anyway) and
+        # runs one shard of ceil(seq_len / hidden) at a time again in backward: its four MLP-wide tensors (and its
+        # LoRA layers' rank-wide outputs and input copies) leave the per-layer count, and one shard's, with their
+        # gradients, come on top once.
+        lora_copy = 0 if lin == 4 else (2 if autocast else 4)
+        mlp_lora = sum(rank * 4 + width * lora_copy for rank, width, _ in found["mlp_lora"]) / max(layers, 1)
+        per_layer -= tokens * (4 * dims[5] * lin + mlp_lora)
+        shards = -(-seq_len // max(h, 1))
+        shard = 2 * batch_size * -(-seq_len // shards) * 4 * dims[5] * lin
     if row_split > 1:
         # Ulysses keeps one more query-wide tensor a layer (its all-to-all's layout copies): saved-tensor hooks on
         # benchmarks/sequence_parallel_memory.py's Llama under sp_size 2 counted that much more than for the same
@@ -708,16 +729,21 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
     # CUDA's caching allocator reuses them.
     retained = 0
     if device != "cuda":
+        if tiled:  # an MLP's LoRA temporaries are one shard's
+            lora_widths = list(lora_widths)
+            for *_, width in found["mlp_lora"]:
+                lora_widths.remove(width)
         retained = sum(2 * tokens * w * lin for w in lora_widths if tokens * w * lin <= _MMAP_THRESHOLD_MAX)
     offloaded = device == "cuda" and getattr(getattr(trainer, "options", None), "activation_offloading", False)
     if checkpointing or offloaded:
         # Offloaded, the layers' inputs wait in host memory and come back one at a time for the backward.
         saved = (1 if offloaded else layers) * tokens * h * res + final_norm
         experts = expert_lora_bytes(found["expert_blocks"], True)
-        return int(saved + max(head + cast_cache, 2 * per_layer + experts) + retained)
+        return int(saved + max(head + cast_cache, 2 * per_layer + experts + shard) + retained)
     experts = expert_lora_bytes(found["expert_blocks"], False)
-    backward = _CPU_BACKWARD_LAYERS * per_layer if device != "cuda" else 0  # CUDA's allocator reuses the blocks
-    return int(layers * per_layer + final_norm + head + cast_cache + retained + experts + backward)
+    # CUDA's allocator reuses the blocks. Tiled, the term stays the untiled layer's (measured: benchmarks/tiled_mlp.py).
+    backward = _CPU_BACKWARD_LAYERS * (untiled if tiled else per_layer) if device != "cuda" else 0
+    return int(layers * per_layer + final_norm + head + cast_cache + retained + experts + backward + shard)
 
 
 def _loss_kernel(trainer: Any, device: str) -> str:

@@ -741,7 +741,7 @@ def trainer_activation_bytes(trainer: Any, model_config: Any, batch_size: int, s
         experts = expert_lora_bytes(found["expert_blocks"], True)
         return int(saved + max(head + cast_cache, 2 * per_layer + experts + shard) + retained)
     experts = expert_lora_bytes(found["expert_blocks"], False)
-    # CUDA's allocator reuses the blocks. Tiled, the term stays the untiled layer's (measured: benchmarks/tiled_mlp.py).
+    # CUDA's allocator reuses the blocks. Tiled, the term stays the untiled layer's (benchmarks/tiled_mlp.py).
     backward = _CPU_BACKWARD_LAYERS * (untiled if tiled else per_layer) if device != "cuda" else 0
     return int(layers * per_layer + final_norm + head + cast_cache + retained + experts + backward + shard)
 

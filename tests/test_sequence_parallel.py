@@ -255,9 +255,9 @@ def test_the_long_context_example_runs_as_documented(tmp_path):
 
 # Tensor parallelism's part that runs on a CPU: the model as ftcore's hf loader loads it under tp_size > 1
 # (transformers' `DistributedConfig(tp_plan="auto")`, the model's own plan), its weights split over 2 gloo
-# processes. Its logits, loss and gradients must be one process's. Training stops earlier, at accelerate's check (tp needs a GPU
-# distributed type: `... but got DistributedType.MULTI_CPU`), which validate quotes. `swap`: each process holds
-# the other's rows of every query projection, the wrong sharding the comparison must catch.
+# processes. Its logits, loss and gradients must be one process's. Training stops earlier, at accelerate's check
+# (tp needs a GPU distributed type: `... but got DistributedType.MULTI_CPU`), which validate quotes. `swap`: each
+# process holds the other's rows of every query projection, the wrong sharding the comparison must catch.
 def two_processes(worker: Path, *args) -> dict:
     """``worker`` run by torchrun in 2 processes of one thread (gloo); the JSON its rank 0 wrote to the file
     named by ``args``' second-to-last argument."""

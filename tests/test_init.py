@@ -188,6 +188,38 @@ def test_init_says_when_no_plan_fits(tmp_path):
 
 
 @pytest.mark.slow
+def test_init_tiles_the_mlps_before_it_checkpoints_or_splits_the_rows(tmp_path):
+    """Issue #43: 65,536-token rows of a small Llama in 16 GB: LoRA without checkpointing does not fit one GPU
+    untiled, and fits it with tiled_mlp (one more MLP forward a step, cheaper than recomputing whole layers), so
+    init proposes that; the plan validates, and the estimate says it fits, and would not without tiled_mlp."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False,
+                                  "rms_norm_eps": 1e-5, "model_type": "llama", "hidden_size": 512,
+                                  "intermediate_size": 1536, "num_attention_heads": 8, "num_hidden_layers": 8,
+                                  "num_key_value_heads": 4, "vocab_size": 32000, "max_position_embeddings": 65536}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"Document {i}."}) + "\n" for i in range(300)))
+    plan = tmp_path / "plan.toml"
+    r = run_cli("init", "-o", str(plan), "--data", str(data), "--model", "org/model", "--gpu-memory", "16GB",
+                "--config", str(config), "--kind", "text", "--goal", "domain", "--max-length", "65536")
+    assert r.returncode == 0, r.stderr
+    text = plan.read_text()
+    assert key(text, "tiled_mlp") == "true" and key(text, "gradient_checkpointing") == "false", text
+    assert "[distributed]" not in text and "MLPs tiled" in r.stdout
+    assert "then tiled_mlp off > on (on)" in text
+    folder = tmp_path / "org" / "model"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(config.read_text())
+    plan.write_text(text.replace('path = "org/model"', f'path = "{folder}"'))
+    assert run_cli("validate", str(plan)).returncode == 0
+    e = run_cli("estimate", str(plan), "--device", "cuda", "--budget", "14.4GB")  # init's 10% margin
+    assert e.returncode == 0 and "; fits 14.40 GiB" in e.stdout, e.stdout[-1500:] + e.stderr[-1500:]
+    plan.write_text(plan.read_text().replace("tiled_mlp = true", "tiled_mlp = false"))
+    e = run_cli("estimate", str(plan), "--device", "cuda", "--budget", "14.4GB")
+    assert "does NOT fit" in e.stdout, e.stdout[-1500:]
+
+
+@pytest.mark.slow
 def test_init_proposes_sequence_parallelism_when_the_context_does_not_fit_one_gpu(tmp_path):
     """Issue #43: asked for 65,536-token rows of a small Llama (8 heads) in 4 GB, no plan fits one GPU, not even
     QLoRA; init splits each row across the fewest GPUs that fit (sp_size, a divisor of the heads, DeepSpeed, one

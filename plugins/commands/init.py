@@ -108,6 +108,7 @@ class Choice:
     optimizer: str | None = None  # None: the trainer's default
     offload: bool = False  # activation offloading (the checkpointed layers' inputs in host memory)
     sp_size: int = 1  # sequence parallelism: each row split across this many GPUs (DeepSpeed's Ulysses)
+    tiled: bool = False  # tiled_mlp: each MLP run over shards of the row (DeepSpeed's TiledMLP)
 
 
 def is_rlhf(a: Answers) -> bool:
@@ -173,6 +174,9 @@ def write_plan(a: Answers, choice: Choice | None = None) -> str:
             knobs.append(f'optimizer = "{choice.optimizer}"   # 8-bit states, paged to the CPU under pressure')
         if choice.offload:
             knobs.append("activation_offloading = true   # each layer's saved input in host memory, not the GPU's")
+        if choice.tiled:
+            knobs.append("tiled_mlp = true   # each MLP over shards of the row: one shard's activations at a time, "
+                         "for one more MLP forward a step")
     stages: list[list[str]] = []
     if a.goal == "domain" or a.kind == "text":
         stages.append(["# Domain shift on raw text: continued pre-training on every token.", "[[stage]]",
@@ -288,6 +292,7 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
     GPU at it, sequence parallelism is proposed: ``sp_size`` the smallest divisor of the model's attention
     heads whose per-rank estimate fits (engine DeepSpeed, one process a GPU; not with QLoRA, whose 4-bit
     weights DeepSpeed does not shard, and only for the trainers it runs with, ``SP_TRAINERS``)."""
+    import importlib.util
     import shutil
     import tempfile
 
@@ -302,6 +307,9 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
     # write_plan's stage: pretrain for raw text or a domain shift, else SFT unless the data is for alignment
     trainer_ok = a.goal == "domain" or a.kind == "text" or not (a.goal == "alignment" or a.kind == "preferences")
     sizes = sp_sizes(attention_heads(a.model, out.resolve().parent, config), trainer_ok) if max_length else [1]
+    # A long context may fit one GPU with its MLPs tiled (DeepSpeed's TiledMLP) before it needs several; on a
+    # full-precision base (the quantizers' layers are not tried with it).
+    tile = bool(max_length) and trainer_ok and not is_rlhf(a) and importlib.util.find_spec("deepspeed") is not None
     methods = ("full", "lora", *quantized_methods())
     order = list(methods[methods.index(method(a.gpu_memory_gb)[0]):])
     if is_rlhf(a):
@@ -337,7 +345,8 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
             if sp > 1 and lengths[-1] % sp:
                 continue  # each process takes an equal slice of a row
             variants = LEANER.get(how, ((None, None, False),))
-            lean = Choice(how, 1, EFFECTIVE_BATCH, lengths[-1], True, [], *variants[-1], sp_size=sp)
+            tileds = (False, True) if tile and how in ("full", "lora") else (False,)
+            lean = Choice(how, 1, EFFECTIVE_BATCH, lengths[-1], True, [], *variants[-1], sp_size=sp, tiled=tileds[-1])
             if (p := peak(lean)) is None:
                 if sp > 1:
                     continue  # a plan sequence parallelism cannot run (DeepSpeed absent, the model's layers)
@@ -346,10 +355,10 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
                 continue
             # The bnb quantizers turn checkpointing on for QLoRA (their own option): no choice there.
             checkpointings = (True,) if how in QUANTIZED else (False, True)
-            for length, checkpointing, (r, optimizer, offload), batch in itertools.product(lengths, checkpointings, variants,
-                                                                                 BATCHES):
+            for length, checkpointing, tiled, (r, optimizer, offload), batch in itertools.product(
+                    lengths, checkpointings, tileds, variants, BATCHES):
                 choice = Choice(how, batch, max(1, EFFECTIVE_BATCH // batch), length, checkpointing, [], r, optimizer,
-                                offload, sp_size=sp)
+                                offload, sp_size=sp, tiled=tiled)
                 need = peak(choice)
                 if need is None or need > budget:
                     continue
@@ -369,6 +378,7 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
                     f"{' > '.join(map(str, lengths))} ({length}), then "
                     + (f"gradient checkpointing on ({QUANTIZED[how][1]}'s own)" if how in QUANTIZED else
                        f"gradient checkpointing off > on ({'on' if checkpointing else 'off'})")
+                    + (f", then tiled_mlp off > on ({'on' if tiled else 'off'})" if len(tileds) > 1 else "")
                     + f"{leaner}, then batch {' > '.join(map(str, BATCHES))} "
                     f"({batch}, accumulating {choice.accumulation} for an effective batch of "
                     f"{batch * choice.accumulation}).",
@@ -506,7 +516,8 @@ class InitCommand(Command):
                   f"across {choice.sp_size} GPUs, engine deepspeed, nproc_per_node {choice.sp_size})"
                   if choice.sp_size > 1 else "")
             print(f"wrote {out}: {choice.method}, batch {choice.batch} x {choice.max_length} tokens (accumulating "
-                  f"{choice.accumulation}), checkpointing {'on' if choice.checkpointing else 'off'}, fitted to "
+                  f"{choice.accumulation}), checkpointing {'on' if choice.checkpointing else 'off'}"
+                  f"{', MLPs tiled' if choice.tiled else ''}, fitted to "
                   f"{gb:g} GB{' per GPU' if sp else ''} by ftcore estimate{sp}; {rows:,} rows{moe}; check it with: "
                   f"ftcore validate {out}")
         else:

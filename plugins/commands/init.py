@@ -288,7 +288,8 @@ def fit(a: Answers, out: Path, config: Path | None, max_length: int | None = Non
     optimizer and rank before ``LEANER``'s, then the largest batch (gradient accumulation keeps the
     effective batch). None when no config is at hand.
 
-    With ``max_length`` (the context the plan must train on) that length is kept; when no plan fits one
+    With ``max_length`` (the context the plan must train on) that length is kept, and a LoRA or full-precision
+    plan of ``SP_TRAINERS`` tries ``tiled_mlp`` (after checkpointing off, before it on); when no plan fits one
     GPU at it, sequence parallelism is proposed: ``sp_size`` the smallest divisor of the model's attention
     heads whose per-rank estimate fits (engine DeepSpeed, one process a GPU; not with QLoRA, whose 4-bit
     weights DeepSpeed does not shard, and only for the trainers it runs with, ``SP_TRAINERS``)."""

@@ -104,9 +104,8 @@ def test_tensor_parallel_needs_a_loader_that_loads_the_weights_split(tmp_path, m
     """On a GPU machine (its check faked here: this one has none, and refuses tp_size first), tp_size with the
     scratch loader is refused: transformers' Trainer takes tensor parallelism from a model loaded split, and one
     built whole would train as DDP without a word. The hf loader loads it split, and its plan passes."""
-    import torch
     from tokenizers import Tokenizer, models
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from ftcore.errors import PlanError
     from ftcore.plan import load_plan
@@ -120,10 +119,7 @@ def test_tensor_parallel_needs_a_loader_that_loads_the_weights_split(tmp_path, m
     with pytest.raises(PlanError) as refused:
         load_plan(write_plan(tmp_path, "scratch", tp), registry)
     assert "distributed.tp_size: model loader 'scratch' builds the whole model in every process" in str(refused.value)
-    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    save_tiny_llama(tmp_path / "base")
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
                             eos_token="<unk>").save_pretrained(tmp_path / "base")
     hf = re.sub(r"\[model\].*?\n\n", f'[model]\nuse = "hf"\npath = "{(tmp_path / "base").as_posix()}"\n\n', HEADER,
@@ -258,14 +254,30 @@ def test_the_long_context_example_runs_as_documented(tmp_path):
 # processes. Its logits, loss and gradients must be one process's. Training stops earlier, at accelerate's check
 # (tp needs a GPU distributed type: `... but got DistributedType.MULTI_CPU`), which validate quotes. `swap`: each
 # process holds the other's rows of every query projection, the wrong sharding the comparison must catch.
-def two_processes(worker: Path, *args) -> dict:
-    """``worker`` run by torchrun in 2 processes of one thread (gloo); the JSON its rank 0 wrote to the file
-    named by ``args``' second-to-last argument."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(worker), *map(str, args)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    return json.loads(Path(args[-2]).read_text())
+def two_processes(folder: Path, worker: str, given: Path, modes: tuple[str, ...]) -> list[dict]:
+    """The script ``worker`` run by torchrun in 2 processes of one thread (gloo) once per mode, with ``given``,
+    the file its rank 0 writes and the mode as arguments; what rank 0 wrote, by mode."""
+    (folder / "worker.py").write_text(worker, encoding="utf-8")
+    found = []
+    for mode in modes:
+        out = folder / f"{mode}.json"
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(folder / "worker.py"), str(given), str(out), mode], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        found.append(json.loads(out.read_text()))
+    return found
+
+
+def save_tiny_llama(folder: Path) -> None:
+    """A tiny Llama (2 layers, 4 heads, 2 key/value heads, hidden 64) with random weights, saved to ``folder``."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
 
 TP_WORKER = """
@@ -306,18 +318,8 @@ if rank == 0:
 
 @pytest.mark.slow
 def test_tensor_parallel_weights_on_two_processes_compute_one_process_logits_and_gradients(tmp_path):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model("llama", vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=128)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    (tmp_path / "worker.py").write_text(TP_WORKER, encoding="utf-8")
-    found = {}
-    for how in ("right", "swap"):
-        found[how] = two_processes(tmp_path / "worker.py", tmp_path / "base", tmp_path / f"{how}.json", how)
-    right, swap = found["right"], found["swap"]
+    save_tiny_llama(tmp_path / "base")
+    right, swap = two_processes(tmp_path, TP_WORKER, tmp_path / "base", ("right", "swap"))
     print(f"\ntp_size 2 on gloo: logits {right['logits']:.2g}, loss {right['loss']:.2g}, gradients of the split "
           f"weights {right['grads']:.2g} from one process; query rows swapped: logits {swap['logits']:.2g}")
     assert right["local_rows"] == [32, 64]  # each process holds half of every query projection's rows
@@ -411,11 +413,7 @@ def test_context_parallel_rows_as_ftcore_pads_them_split_and_reduce_as_one_proce
         [{"input_ids": ids, "labels": [-100] * 3 + ids[3:]} for ids in rows])
     assert batch["input_ids"].shape[1] == 16
     (tmp_path / "batch.json").write_text(json.dumps({k: batch[k].tolist() for k in ("input_ids", "labels")}))
-    (tmp_path / "worker.py").write_text(CP_WORKER, encoding="utf-8")
-    found = {}
-    for how in ("right", "late"):
-        found[how] = two_processes(tmp_path / "worker.py", tmp_path / "batch.json", tmp_path / f"{how}.json", how)
-    right, late = found["right"], found["late"]
+    right, late = two_processes(tmp_path, CP_WORKER, tmp_path / "batch.json", ("right", "late"))
     print(f"\ncp_size 2 on gloo: positions per process {right['positions']}; loss {right['loss']:.6f} against "
           f"{right['whole']:.6f} in one process; labels shifted after the split: {late['loss']:.6f}")
     # Each process a head and a tail chunk of every row; together every position once.
